@@ -1,0 +1,392 @@
+"""What every recipe needs, and nothing more.
+
+- ``detect_dist_env``: this process's rank layout, from torchrun's variables or from Slurm's when the
+  recipe is started by ``srun`` directly (rendezvous host = first node of the job, never "localhost").
+- ``setup_torch_distributed``: device and backend (NCCL on CUDA, gloo on CPU) and the process group.
+- ``SyntheticTokens``: deterministic token batches; step ``s`` is the same global batch at any world size.
+- ``MetricsLogger`` and ``transformer_flops_per_token`` / ``peak_flops``: rank-0 logs, JSON, MFU.
+- ``save_checkpoint`` / ``latest_checkpoint``: atomic checkpoint files (temp name, fsync, rename).
+
+Recipes put ``recipes/`` on ``sys.path`` and ``import common``; the file has no other project imports.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class ConfigError(Exception):
+    """Bad input found before any process starts talking to another. Its message says what to change."""
+
+
+def exit_on_config_error(recipe: str, error: ConfigError) -> None:
+    """One line on stderr, exit code 2: what users see instead of a stack trace."""
+    print(f"[{recipe}] error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Distributed environment
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "srun" or "single"
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed host list, e.g. ``nid[000001-000003,000007],login01`` -> one name per host."""
+    hosts: list[str] = []
+    for item in _split_outside_brackets(hostlist):
+        match = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\](.*)", item)
+        if not match:
+            hosts.append(item)
+            continue
+        prefix, ranges, rest = match.groups()
+        suffixes = expand_hostlist(rest) if rest else [""]
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            for number in range(int(first), int(last or first) + 1):
+                hosts.extend(f"{prefix}{number:0{len(first)}d}{suffix}" for suffix in suffixes)
+    return hosts
+
+
+def _split_outside_brackets(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item for item in items if item]
+
+
+def default_master_port(job_id: str | None) -> int:
+    """Same on every rank of a job, different between jobs that may share a node."""
+    return 29500 + int(job_id) % 10000 if job_id and job_id.isdigit() else 29500
+
+
+def detect_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
+    """Where this process sits in the job. Raises ConfigError for layouts that cannot form one world."""
+    env = os.environ if environ is None else environ
+
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or anything that speaks its protocol)
+        return DistEnv(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env["WORLD_SIZE"]),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun",
+        )
+
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1)))
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env and tasks > 1:
+        # The batch script itself runs as "rank 0 of N" with no other ranks: it would wait forever.
+        raise ConfigError(
+            f"started directly in the batch script of a {tasks}-task job; launch it with srun "
+            "(e.g. 'srun python recipes/ddp/train.py') or use slurm/ddp.sh"
+        )
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and tasks > 1:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "")
+        if not master_addr:
+            raise ConfigError("srun set no SLURM_JOB_NODELIST and MASTER_ADDR is unset: cannot find rank 0's host")
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=tasks,
+            master_addr=master_addr,
+            master_port=int(env.get("MASTER_PORT") or default_master_port(env.get("SLURM_JOB_ID"))),
+            launcher="srun",
+        )
+
+    return DistEnv(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=29500, launcher="single")
+
+
+def setup_torch_distributed(env: DistEnv, timeout_s: float) -> tuple[torch.device, str]:
+    """Pick device and backend, and join the process group when there is more than one rank.
+
+    NCCL needs CUDA; on a CPU-only machine gloo is the only backend that works, so the choice is made from
+    the hardware, not from a flag that could be set wrongly.
+    """
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if env.world_size > 1:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+        if dist.get_world_size() != env.world_size:
+            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {env.world_size}")
+    return device, backend
+
+
+def all_hostnames(world_size: int) -> list[str]:
+    """Every rank's hostname, in rank order (proves which nodes really took part)."""
+    name = socket.gethostname()
+    if world_size == 1:
+        return [name]
+    names: list[str | None] = [None] * world_size
+    dist.all_gather_object(names, name)
+    return [str(n) for n in names]
+
+
+def mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
+    if world_size > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= world_size
+    return float(value)
+
+
+def max_difference_across_ranks(tensors: list[torch.Tensor], world_size: int) -> float:
+    """Largest elementwise spread (max - min over ranks) of the given tensors: 0.0 when all ranks agree."""
+    flat = torch.cat([t.detach().float().flatten() for t in tensors])
+    if world_size == 1:
+        return 0.0
+    highest, lowest = flat.clone(), flat.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return float((highest - lowest).max())
+
+
+# --------------------------------------------------------------------------------------------------
+# Synthetic data
+
+
+class SyntheticTokens:
+    """Arithmetic token sequences, x[t] = (start + t * stride) mod vocab, with a random start and stride per row.
+
+    A model has to read the context to predict the next token, so the loss falls well below ln(vocab) as it
+    learns. Step ``s`` always yields the same global batch (generated from ``seed`` and ``s``), and rank r
+    takes rows [r * b, (r + 1) * b): the data depends on the step, not on the world size or on a resume.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, max_stride: int = 7):
+        self.vocab_size, self.seq_len, self.seed, self.max_stride = vocab_size, seq_len, seed, max_stride
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        start = torch.randint(0, self.vocab_size, (batch_size, 1), generator=generator)
+        stride = torch.randint(1, self.max_stride + 1, (batch_size, 1), generator=generator)
+        tokens = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab_size
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def local_batch(self, step: int, global_batch_size: int, rank: int, world_size: int):
+        inputs, targets = self.global_batch(step, global_batch_size)
+        per_rank = global_batch_size // world_size
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        return inputs[rows], targets[rows]
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics and MFU
+
+# Dense peak FLOP/s per GPU from NVIDIA's data sheets (bf16 tensor cores; fp32 without TF32).
+GPU_PEAK_FLOPS = {
+    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
+    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+}
+
+
+def transformer_flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weight matmuls (forward + backward) plus 12*L*d*T for attention.
+
+    The formula of the PaLM paper (appendix B); N excludes position embeddings, which are lookups.
+    """
+    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None) -> tuple[float, str]:
+    """The per-device peak that MFU divides by, and where the number came from (logged with every MFU)."""
+    if override_tflops:
+        return override_tflops * 1e12, "--peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for gpu, table in GPU_PEAK_FLOPS.items():
+            if gpu in name and dtype in table:
+                return table[dtype], f"{gpu} data sheet, {str(dtype).removeprefix('torch.')} dense"
+        return float("nan"), f"unknown GPU '{name}': pass --peak-tflops"
+    return measure_cpu_matmul_flops(dtype)
+
+
+def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> tuple[float, str]:
+    """A CPU has no data-sheet peak that means much; measure a large matmul, same dtype and threads, now."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        count += 1
+    flops = 2.0 * size**3 * count / elapsed
+    return flops, f"measured: {size}x{size} {str(dtype).removeprefix('torch.')} matmul, {torch.get_num_threads()} threads"
+
+
+@dataclass
+class MetricsLogger:
+    """Rank 0 prints one line per logged step and writes everything to ``path`` as JSON."""
+
+    recipe: str
+    path: Path
+    is_logging_rank: bool
+    tokens_per_sample: int
+    flops_per_token: float
+    peak_flops_per_device: float
+    peak_source: str
+    world_size: int
+    log_every: int = 1
+    run_info: dict = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+
+    def log_step(self, step: int, loss: float, samples: int, step_time_s: float, lr: float) -> None:
+        tokens_per_s = samples * self.tokens_per_sample / step_time_s
+        mfu = tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops_per_device)
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "step_time_s": step_time_s,
+            "samples_per_s": samples / step_time_s,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+        }
+        self.history.append(record)
+        if self.is_logging_rank and (step % self.log_every == 0):
+            print(
+                f"[{self.recipe}] step {step:5d} | loss {loss:.4f} | {record['samples_per_s']:8.1f} samples/s"
+                f" | {tokens_per_s:10.0f} tokens/s | MFU {100 * mfu:5.2f}%",
+                flush=True,
+            )
+
+    def summary(self) -> dict:
+        # The first step of a process includes warm-up (allocator, NCCL/gloo connections): leave it out.
+        timed = self.history[1:] or self.history
+        mean = lambda key: sum(r[key] for r in timed) / len(timed) if timed else float("nan")  # noqa: E731
+        return {
+            "steps": len(self.history),
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "mean_samples_per_s": mean("samples_per_s"),
+            "mean_tokens_per_s": mean("tokens_per_s"),
+            "mean_mfu": mean("mfu"),
+            "flops_per_token": self.flops_per_token,
+            "mfu_formula": "tokens/s * (6N + 12*L*d*T) / (world_size * peak)",
+            "peak_flops_per_device": self.peak_flops_per_device,
+            "peak_source": self.peak_source,
+        }
+
+    def write(self, extra: dict | None = None) -> None:
+        if not self.is_logging_rank:
+            return
+        document = {"recipe": self.recipe, **self.run_info, **(extra or {}), "summary": self.summary(), "history": self.history}
+        atomic_write_bytes(self.path, (json.dumps(document, indent=2, default=str) + "\n").encode())
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints
+
+CHECKPOINT_PATTERN = re.compile(r"step_(\d{8})\.pt")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write to a temporary name in the same directory, fsync, then rename over the target.
+
+    A crash at any point leaves either the old file or the complete new one, never a torn file under the
+    real name; the rename is made durable by fsyncing the directory too.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(temporary, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
+    """Atomically write ``step_XXXXXXXX.pt`` and delete all but the newest ``keep`` checkpoints."""
+    path = Path(directory) / f"step_{step:08d}.pt"
+    _atomic_write(path, lambda f: torch.save(state, f))
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary files of an interrupted write are never listed)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if CHECKPOINT_PATTERN.fullmatch(p.name))
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    checkpoints = list_checkpoints(directory)
+    return checkpoints[-1] if checkpoints else None
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def describe_run(env: DistEnv, backend: str, device: torch.device, wrapper: str) -> dict:
+    """What ran: recorded in every metrics file so a result can be traced back to its layout and versions."""
+    return {
+        "world_size": env.world_size,
+        "backend": backend,
+        "device": str(device),
+        "launcher": env.launcher,
+        "master": f"{env.master_addr}:{env.master_port}",
+        "model_wrapper": wrapper,
+        "torch_version": torch.__version__,
+        "python_version": sys.version.split()[0],
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "env": asdict(env),
+    }

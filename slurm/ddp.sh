@@ -1,0 +1,29 @@
+#!/bin/bash
+# PyTorch DDP on Perlmutter GPU nodes (2 nodes x 4 A100 by default), or on any Slurm cluster.
+#
+#   cd path/to/this/repo
+#   sbatch -A <account> -q regular slurm/ddp.sh                  # Shifter (default on Perlmutter)
+#   CONTAINER_RUNTIME=podman-hpc sbatch -A <account> -q regular slurm/ddp.sh
+#   sbatch -N 4 slurm/ddp.sh --global-batch 256 --max-steps 500  # override the layout and the recipe args
+#
+# Before the first run, publish the image and let Shifter fetch it: `make push-ddp REGISTRY=...`, then
+# `shifterimg pull docker:<registry>/hpcml/ddp:cuda`, and put that name in the --image line below.
+# Runtime, image and NCCL variables are documented in slurm/lib/launch.sh.
+#SBATCH -J ddp
+#SBATCH -C gpu
+#SBATCH -N 2
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH -t 00:30:00
+#SBATCH -o %x-%j.out
+#SBATCH --image=docker:hpcml/ddp:cuda
+#SBATCH --module=gpu,nccl-plugin
+
+set -euo pipefail
+# sbatch runs a copy of this file from Slurm's spool directory, so find the repository from the
+# directory the job was submitted from.
+source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
+    { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
+
+launch_recipe recipes/ddp/train.py --out-dir "${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/ddp-$SLURM_JOB_ID}" "$@"

@@ -1,0 +1,148 @@
+# shellcheck shell=bash
+# Shared launch logic for every sbatch file in slurm/: sourced, then `launch_recipe RECIPE [ARGS...]`.
+#
+# Chooses the container runtime, finds the image, sets the rendezvous host and the Slingshot/NCCL
+# settings, logs what is about to run, and starts one task per rank with `srun -u`. Everything that can
+# be wrong with the input is checked here, before srun starts a single rank.
+#
+# Variables (all optional; set them in the environment of `sbatch`, which passes them to the job):
+#   CONTAINER_RUNTIME  shifter | podman-hpc | podman | none
+#                      default: shifter where the `shifter` command exists (Perlmutter), else none
+#   CONTAINER_IMAGE    image to run; default: the job's `#SBATCH --image=` (Shifter's SLURM_SPANK_SHIFTER_IMAGE)
+#   PYTHON             interpreter inside the runtime (default: python3)
+#   NCCL_NET           network NCCL must use (default "AWS Libfabric": the Slingshot plugin). NCCL then
+#                      fails at start-up instead of falling back to TCP sockets. Set NCCL_NET= (empty) on
+#                      clusters without the plugin.
+#   LAUNCH_DRY_RUN=1   print the srun command instead of running it
+#   REPO_DIR           the checkout holding recipes/ (default: the directory sbatch was called from)
+
+SUPPORTED_RUNTIMES="shifter podman-hpc podman none"
+
+launch_error() {
+    echo "launch: error: $*" >&2
+    exit 2
+}
+
+# The first host of the allocation: rank 0's address for every rank, on every node.
+first_node() {
+    if command -v scontrol >/dev/null 2>&1; then
+        scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1
+    else
+        echo "${SLURM_JOB_NODELIST%%,*}"
+    fi
+}
+
+choose_runtime() {
+    local runtime=${CONTAINER_RUNTIME:-}
+    if [[ -z $runtime ]]; then
+        if command -v shifter >/dev/null 2>&1; then runtime=shifter; else runtime=none; fi
+        echo "launch: CONTAINER_RUNTIME not set: using '$runtime'" >&2
+    fi
+    case " $SUPPORTED_RUNTIMES " in
+    *" $runtime "*) ;;
+    *) launch_error "unknown CONTAINER_RUNTIME '$runtime': use one of: $SUPPORTED_RUNTIMES" ;;
+    esac
+    if [[ $runtime != none ]] && ! command -v "$runtime" >/dev/null 2>&1; then
+        launch_error "CONTAINER_RUNTIME=$runtime but the '$runtime' command is not on PATH of $(hostname)" \
+            "(on Perlmutter: module load $runtime; elsewhere pick another runtime, or none)"
+    fi
+    echo "$runtime"
+}
+
+choose_image() {
+    local runtime=$1 image=${CONTAINER_IMAGE:-${SLURM_SPANK_SHIFTER_IMAGE:-}}
+    image=${image#docker:}
+    [[ $runtime == none ]] && return 0
+    if [[ -z $image ]]; then
+        launch_error "CONTAINER_RUNTIME=$runtime needs an image: add '#SBATCH --image=docker:REPO/NAME:TAG'" \
+            "or set CONTAINER_IMAGE=REPO/NAME:TAG"
+    fi
+    if [[ $runtime == podman || $runtime == podman-hpc ]] && [[ ${LAUNCH_DRY_RUN:-0} != 1 ]] &&
+        ! "$runtime" image exists "$image"; then
+        launch_error "image '$image' is not in $runtime's local storage on $(hostname):" \
+            "build it (make build-IMAGE) or pull it ($runtime pull $image)"
+    fi
+    echo "$image"
+}
+
+# Slingshot-11 settings for NCCL over the aws-ofi-nccl (libfabric/CXI) plugin; harmless where unused.
+export_network_settings() {
+    export FI_MR_CACHE_MONITOR=${FI_MR_CACHE_MONITOR:-userfaultfd}
+    export FI_CXI_DISABLE_HOST_REGISTER=${FI_CXI_DISABLE_HOST_REGISTER:-1}
+    export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-PHB}
+    export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn}
+    export NCCL_CROSS_NIC=${NCCL_CROSS_NIC:-1}
+    # Naming the network makes NCCL fail loudly when the plugin is missing, instead of silently using
+    # TCP sockets at a fraction of the bandwidth. An explicitly empty NCCL_NET turns the check off.
+    if [[ -z ${NCCL_NET+set} ]]; then export NCCL_NET="AWS Libfabric"; fi
+    [[ -n $NCCL_NET ]] || unset NCCL_NET
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+}
+
+# Fills the array named by $1 with the srun command that starts every rank.
+build_command() {
+    local -n cmd=$1
+    local runtime=$2 image=$3
+    shift 3
+    cmd=(srun -u --kill-on-bad-exit=1)
+    case $runtime in
+    none) ;;
+    shifter)
+        # The image and modules come from #SBATCH --image/--module; an explicit image wins.
+        if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+            cmd+=(shifter "--image=docker:$image")
+            [[ -n ${SLURM_SPANK_SHIFTER_MODULE:-} ]] && cmd+=("--module=$SLURM_SPANK_SHIFTER_MODULE")
+        else
+            cmd+=(shifter)
+        fi
+        ;;
+    podman | podman-hpc)
+        cmd+=("$runtime" run --rm --network=host --ipc=host)
+        [[ $runtime == podman-hpc ]] && cmd+=(--gpu --nccl)
+        # Same path inside as outside, so logs, checkpoints and metrics land where the user looks.
+        cmd+=(-v "$REPO_DIR:$REPO_DIR" -w "$PWD")
+        [[ $PWD != "$REPO_DIR"* ]] && cmd+=(-v "$PWD:$PWD")
+        # Variables without a value are read from the task's own environment when each container starts,
+        # so every rank sees its own SLURM_PROCID.
+        local var
+        for var in $(compgen -e | grep -E '^(SLURM_|MASTER_|NCCL_|FI_|OMP_NUM_THREADS$|PYTHONUNBUFFERED$)'); do
+            cmd+=(-e "$var")
+        done
+        cmd+=("$image")
+        ;;
+    esac
+    cmd+=("${PYTHON:-python3}" "$@")
+}
+
+launch_recipe() {
+    local recipe=$1
+    shift
+    [[ -n ${SLURM_JOB_ID:-} ]] || launch_error "not inside a Slurm job: submit with 'sbatch slurm/<recipe>.sh'"
+    REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
+    [[ -f $REPO_DIR/$recipe ]] || launch_error "$REPO_DIR/$recipe not found: submit from the repository root" \
+        "(cd path/to/repo && sbatch slurm/...) or set REPO_DIR"
+
+    local runtime image
+    runtime=$(choose_runtime) || exit 2
+    image=$(choose_image "$runtime") || exit 2
+
+    MASTER_ADDR=${MASTER_ADDR:-$(first_node)}
+    MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 10000))}
+    export MASTER_ADDR MASTER_PORT
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    export PYTHONUNBUFFERED=1
+    export_network_settings
+
+    local -a command
+    build_command command "$runtime" "$image" "$REPO_DIR/$recipe" "$@"
+
+    # What ran, at the top of every job log.
+    echo "launch: job ${SLURM_JOB_ID} on ${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)"
+    echo "launch: runtime=$runtime image=${image:-(none)} master=$MASTER_ADDR:$MASTER_PORT commit=$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME FI_MR_CACHE_MONITOR=$FI_MR_CACHE_MONITOR"
+    echo "launch: $(printf '%q ' "${command[@]}")"
+    if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then
+        return 0
+    fi
+    "${command[@]}"
+}
