@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -73,7 +74,7 @@ def validate(args: argparse.Namespace, env: common.DistEnv) -> None:
         if getattr(args, name) < 1:
             raise common.ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.global_batch % env.world_size:
-        nearest = max(env.world_size, round(args.global_batch / env.world_size) * env.world_size)
+        nearest = -(-args.global_batch // env.world_size) * env.world_size  # the next multiple up
         raise common.ConfigError(
             f"--global-batch {args.global_batch} is not divisible by the world size {env.world_size}; "
             f"use a multiple of {env.world_size} (e.g. --global-batch {nearest})"
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     validate(args, env)
     checkpoint_dir = args.out_dir / "checkpoints"
     resume_from = None if args.no_resume else common.latest_checkpoint(checkpoint_dir)
-    checkpoint = torch.load(resume_from, map_location="cpu", weights_only=False) if resume_from else None
+    checkpoint = torch.load(resume_from, map_location="cpu", weights_only=True) if resume_from else None
     model_cfg = GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd)
-    if checkpoint and (checkpoint["model_cfg"] != model_cfg or checkpoint["global_batch"] != args.global_batch):
+    if checkpoint and (checkpoint["model_cfg"] != asdict(model_cfg) or checkpoint["global_batch"] != args.global_batch):
         raise common.ConfigError(
             f"{resume_from} was written with {checkpoint['model_cfg']} and --global-batch "
             f"{checkpoint['global_batch']}; use the same settings, a new --out-dir, or --no-resume"
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:  # DDP keeps every rank's weights identical: one copy is the checkpoint
             common.save_checkpoint(checkpoint_dir, step, {
                 "step": step, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                "rng": common.rng_state(), "history": metrics.history, "model_cfg": model_cfg,
+                "rng": common.rng_state(), "history": metrics.history, "model_cfg": asdict(model_cfg),
                 "global_batch": args.global_batch})
             metrics.write()
 

@@ -25,10 +25,14 @@ launch_error() {
 
 # The first host of the allocation: rank 0's address for every rank, on every node.
 first_node() {
-    if command -v scontrol >/dev/null 2>&1; then
-        scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1
+    local list=${SLURM_JOB_NODELIST:-} first rest
+    if first=$(scontrol show hostnames "$list" 2>/dev/null | head -n 1) && [[ -n $first ]]; then
+        echo "$first"
+    elif [[ ${list%%,*} == *"["* ]]; then # no scontrol here: nid[000003-000004,...] -> nid000003
+        rest=${list#*[}
+        echo "${list%%[*}${rest%%[],-]*}"
     else
-        echo "${SLURM_JOB_NODELIST%%,*}"
+        echo "${list%%,*}"
     fi
 }
 
@@ -42,7 +46,8 @@ choose_runtime() {
     *" $runtime "*) ;;
     *) launch_error "unknown CONTAINER_RUNTIME '$runtime': use one of: $SUPPORTED_RUNTIMES" ;;
     esac
-    if [[ $runtime != none ]] && ! command -v "$runtime" >/dev/null 2>&1; then
+    # A dry run only shows the command, so it may be made where the runtime is not installed.
+    if [[ $runtime != none && ${LAUNCH_DRY_RUN:-0} != 1 ]] && ! command -v "$runtime" >/dev/null 2>&1; then
         launch_error "CONTAINER_RUNTIME=$runtime but the '$runtime' command is not on PATH of $(hostname)" \
             "(on Perlmutter: module load $runtime; elsewhere pick another runtime, or none)"
     fi
@@ -127,6 +132,7 @@ launch_recipe() {
     image=$(choose_image "$runtime") || exit 2
 
     MASTER_ADDR=${MASTER_ADDR:-$(first_node)}
+    [[ -n $MASTER_ADDR ]] || launch_error "cannot tell the first node of the job (SLURM_JOB_NODELIST is empty): set MASTER_ADDR"
     MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 10000))}
     export MASTER_ADDR MASTER_PORT
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -1,0 +1,51 @@
+"""Bad input ends in one clear line and exit code 2, before any process group exists.
+
+"Before any process group" is shown by timing: each case would otherwise wait for ranks that never come
+(world size 4, nobody else started) until the test's timeout.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import DDP_RECIPE, TINY, free_port, recipe_env, run
+
+
+def run_as_rank0_of(world_size: int, *args: str, **extra_env: str):
+    env = recipe_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port()), **extra_env)
+    return run([sys.executable, str(DDP_RECIPE), *TINY, *args], env=env, timeout=60)
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("[ddp] error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.mark.parametrize(
+    "world_size, args, fragments",
+    [
+        (4, ["--global-batch", "10"], ["--global-batch 10 is not divisible by the world size 4", "--global-batch 12"]),
+        (3, ["--global-batch", "16"], ["not divisible by the world size 3"]),
+        (1, ["--n-embd", "30", "--n-head", "4"], ["--n-embd 30 is not divisible by --n-head 4"]),
+        (2, ["--max-steps", "0"], ["--max-steps must be at least 1"]),
+        (2, ["--max-steps", "5", "--stop-at-step", "9"], ["--stop-at-step must be between 1 and --max-steps 5"]),
+        (1, ["--skip-grad-allreduce"], ["only means something with more than one rank"]),
+    ],
+)
+def test_recipe_rejects_bad_layout_before_starting(tmp_path, world_size, args, fragments):
+    result = run_as_rank0_of(world_size, "--out-dir", str(tmp_path), *args)
+    assert_one_line_error(result, *fragments)
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_recipe_started_in_batch_script_without_srun_is_refused(tmp_path):
+    env = recipe_env(SLURM_JOB_ID="99", SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_JOB_NODELIST="nid[000001-000002]")
+    result = run([sys.executable, str(DDP_RECIPE), *TINY, "--out-dir", str(tmp_path)], env=env, timeout=60)
+    assert_one_line_error(result, "launch it with srun")

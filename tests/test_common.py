@@ -1,0 +1,99 @@
+"""Unit tests of recipes/common.py: rank layout, host lists, synthetic data, MFU formula, checkpoints."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+import common  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "hostlist, expected",
+    [
+        ("nid000001", ["nid000001"]),
+        ("nid[000001-000003]", ["nid000001", "nid000002", "nid000003"]),
+        ("nid[000008-000009,000012],login01", ["nid000008", "nid000009", "nid000012", "login01"]),
+        ("a[1-2]b[3-4]", ["a1b3", "a1b4", "a2b3", "a2b4"]),
+        ("gpu[09-11]", ["gpu09", "gpu10", "gpu11"]),
+    ],
+)
+def test_expand_hostlist(hostlist, expected):
+    assert common.expand_hostlist(hostlist) == expected
+
+
+def test_torchrun_variables_win():
+    env = common.detect_dist_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "nid000005",
+                                  "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"})
+    assert (env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, env.launcher) == (
+        3, 1, 8, "nid000005", 1234, "torchrun")
+
+
+def test_srun_layout_uses_first_node_not_localhost():
+    env = common.detect_dist_env({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+                                  "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "nid[000017-000018]"})
+    assert (env.rank, env.local_rank, env.world_size, env.launcher) == (5, 1, 8, "srun")
+    assert env.master_addr == "nid000017"
+    assert env.master_port == 29500 + 4242 % 10000
+
+
+def test_srun_step_nodelist_and_task_count_preferred():
+    env = common.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "8",
+                                  "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "nid[000001-000004]",
+                                  "SLURM_STEP_NODELIST": "nid000003"})
+    assert (env.world_size, env.master_addr) == (2, "nid000003")
+
+
+def test_batch_script_without_srun_is_refused():
+    with pytest.raises(common.ConfigError, match="launch it with srun"):
+        common.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
+                                "SLURM_JOB_NODELIST": "nid[000001-000002]"})
+
+
+def test_plain_process_is_single():
+    assert common.detect_dist_env({}).launcher == "single"
+    assert common.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).world_size == 1
+
+
+def test_synthetic_batches_are_deterministic_and_split_by_rank():
+    data = common.SyntheticTokens(vocab_size=50, seq_len=16, seed=3)
+    inputs, targets = data.global_batch(step=5, batch_size=8)
+    again, _ = data.global_batch(step=5, batch_size=8)
+    other, _ = data.global_batch(step=6, batch_size=8)
+    assert torch.equal(inputs, again) and not torch.equal(inputs, other)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one
+    halves = [data.local_batch(5, 8, rank, 2)[0] for rank in range(2)]
+    assert torch.equal(torch.cat(halves), inputs)
+    assert int(inputs.max()) < 50
+
+
+def test_flops_formula():
+    # 6N + 12 L d T with N = 1e6, L = 2, d = 64, T = 32
+    assert common.transformer_flops_per_token(1_000_000, 2, 64, 32) == 6e6 + 12 * 2 * 64 * 32
+
+
+def test_cpu_peak_is_measured():
+    flops, source = common.peak_flops(torch.device("cpu"), torch.float32)
+    assert flops > 1e8 and source.startswith("measured")
+    assert common.peak_flops(torch.device("cpu"), torch.float32, override_tflops=2.0) == (2e12, "--peak-tflops")
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    for step in (10, 20, 30):
+        common.save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+    assert [p.name for p in common.list_checkpoints(tmp_path)] == ["step_00000020.pt", "step_00000030.pt"]
+
+    class ExplodesWhilePickled:
+        def __reduce__(self):
+            raise RuntimeError("crash in the middle of writing")
+
+    with pytest.raises(RuntimeError, match="crash in the middle"):
+        common.save_checkpoint(tmp_path, 40, {"step": 40, "payload": torch.zeros(1000), "bad": ExplodesWhilePickled()})
+    latest = common.latest_checkpoint(tmp_path)
+    assert latest.name == "step_00000030.pt"  # the half-written step 40 is never picked
+    assert torch.load(latest)["step"] == 30
+    assert any(p.name.startswith(".step_00000040.pt.tmp") for p in tmp_path.iterdir())

@@ -1,0 +1,100 @@
+"""The shared launcher (slurm/lib/launch.sh): runtime choice, image checks and the srun command it builds.
+
+Runs the real script in bash with a job's SLURM_* variables; LAUNCH_DRY_RUN=1 prints the command instead of
+running srun, so the command for runtimes this machine lacks (shifter, podman-hpc) can still be checked.
+The same errors on a real job are exercised in tests/test_slurm_ddp.py.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from conftest import REPO, recipe_env, run
+
+JOB = dict(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="nid[000003-000004]", SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="8",
+           SLURM_SUBMIT_DIR=str(REPO), REPO_DIR=str(REPO))
+
+
+def launch(*recipe_args: str, **env: str):
+    script = f'source "{REPO}/slurm/lib/launch.sh" && launch_recipe recipes/ddp/train.py {shlex.join(recipe_args)}'
+    return run(["bash", "-c", script], env=recipe_env(**{**JOB, **env}), timeout=60, cwd=REPO)
+
+
+def srun_line(result) -> list[str]:
+    line = next(line for line in result.stdout.splitlines() if line.startswith("launch: srun "))
+    return shlex.split(line.removeprefix("launch: "))
+
+
+def test_bare_runtime_command_and_environment():
+    result = launch("--max-steps", "3", CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1")
+    assert result.returncode == 0, result.stderr
+    assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/ddp/train.py",
+                                 "--max-steps", "3"]
+    # Rendezvous at the first node of the allocation, a port derived from the job id.
+    assert "master=nid000003:30734" in result.stdout
+    assert "NCCL_NET=AWS Libfabric" in result.stdout
+
+
+def test_shifter_takes_image_from_sbatch_directive():
+    result = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", SLURM_SPANK_SHIFTER_IMAGE="hpcml/ddp:cuda")
+    assert result.returncode == 0, result.stderr
+    assert srun_line(result)[:4] == ["srun", "-u", "--kill-on-bad-exit=1", "shifter"]
+    assert "image=hpcml/ddp:cuda" in result.stdout
+
+
+def test_shifter_explicit_image_and_modules():
+    result = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="docker:me/ddp:v1",
+                    SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin")
+    assert srun_line(result)[3:6] == ["shifter", "--image=docker:me/ddp:v1", "--module=gpu,nccl-plugin"]
+
+
+def test_podman_hpc_command():
+    result = launch(CONTAINER_RUNTIME="podman-hpc", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1")
+    assert result.returncode == 0, result.stderr
+    words = srun_line(result)
+    assert words[3:8] == ["podman-hpc", "run", "--rm", "--network=host", "--ipc=host"]
+    assert "--gpu" in words and "--nccl" in words
+    assert ["-v", f"{REPO}:{REPO}"] == words[words.index("-v"):words.index("-v") + 2]
+    # Each rank's own SLURM_PROCID must reach its container.
+    for var in ("SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT", "NCCL_NET", "FI_MR_CACHE_MONITOR"):
+        assert var in words[words.index("-e") :], var
+    assert words[words.index("me/ddp:v1") + 1 :][:2] == ["python3", f"{REPO}/recipes/ddp/train.py"]
+
+
+def test_nccl_net_check_can_be_turned_off():
+    result = launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", NCCL_NET="")
+    assert "NCCL_NET=(any)" in result.stdout
+
+
+def one_line_error(result) -> str:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("launch: error:")]
+    assert len(errors) == 1, result.stderr
+    assert "launch: srun" not in result.stdout  # nothing was started
+    return errors[0]
+
+
+def test_unknown_runtime():
+    error = one_line_error(launch(CONTAINER_RUNTIME="docker"))
+    assert "unknown CONTAINER_RUNTIME 'docker': use one of: shifter podman-hpc podman none" in error
+
+
+def test_container_runtime_without_image():
+    error = one_line_error(launch(CONTAINER_RUNTIME="podman", LAUNCH_DRY_RUN="1"))
+    assert "needs an image" in error and "#SBATCH --image=" in error
+
+
+def test_runtime_not_installed():
+    error = one_line_error(launch(CONTAINER_RUNTIME="shifter", SLURM_SPANK_SHIFTER_IMAGE="hpcml/ddp:cuda"))
+    assert "'shifter' command is not on PATH" in error
+
+
+def test_podman_image_missing():
+    error = one_line_error(launch(CONTAINER_RUNTIME="podman", CONTAINER_IMAGE="localhost/hpcml/no-such-image:cpu"))
+    assert "image 'localhost/hpcml/no-such-image:cpu' is not in podman's local storage" in error
+
+
+def test_outside_a_job():
+    env = {k: "" for k in JOB}
+    error = one_line_error(launch(CONTAINER_RUNTIME="none", **env))
+    assert "not inside a Slurm job" in error
