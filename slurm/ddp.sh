@@ -23,6 +23,7 @@
 set -euo pipefail
 # sbatch runs a copy of this file from Slurm's spool directory, so find the repository from the
 # directory the job was submitted from.
+# shellcheck source=slurm/lib/launch.sh
 source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
     { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
 

@@ -173,7 +173,10 @@ start_daemons() {
     export SLURM_CONF=$STATE_DIR/etc/slurm.conf
     if ! pid_alive "$STATE_DIR/run/slurmctld.pid"; then
         # slurmctld only starts on the host SlurmctldHost names: give it that hostname in a UTS namespace.
-        # -c: start from a clean state, with no jobs left over from a last run.
+        # -c: start from a clean state, with no jobs left over from a last run. Job ids then restart at 1,
+        # so the completion log of a last run goes too.
+        : >"$STATE_DIR/jobcomp.txt"
+        # shellcheck disable=SC2016 # $1/$2 are the inner shell's arguments, expanded there on purpose
         unshare --uts -- sh -c 'hostname "$1" && exec slurmctld -c -f "$2"' sh "$CONTROLLER_NAME" "$SLURM_CONF"
     fi
     for ((i = 1; i <= nodes; i++)); do
@@ -181,6 +184,7 @@ start_daemons() {
         pid_alive "$STATE_DIR/run/slurmd-$name.pid" && continue
         mkdir -p "$STATE_DIR/spool/$name"
         # Its own network and hostname; slurmd forks into the background and its jobs inherit both.
+        # shellcheck disable=SC2016 # as above
         ip netns exec "$name" unshare --uts -- sh -c 'hostname "$1" && exec slurmd -f "$2" -N "$1"' \
             sh "$name" "$SLURM_CONF"
     done

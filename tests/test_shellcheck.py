@@ -1,0 +1,22 @@
+"""Every shell script of the project passes shellcheck (a missing shellcheck is a failure, not a skip)."""
+
+from __future__ import annotations
+
+import shutil
+
+from conftest import REPO, run
+
+SCRIPTS = sorted(
+    [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/lib/*.sh"), *REPO.glob("tests/**/*.sh"), REPO / ".ci" / "run"]
+)
+
+
+def test_scripts_exist():
+    names = {p.relative_to(REPO).as_posix() for p in SCRIPTS}
+    assert {"slurm/ddp.sh", "slurm/lib/launch.sh", "tests/cluster/local_slurm.sh", ".ci/run"} <= names
+
+
+def test_shellcheck_passes():
+    assert shutil.which("shellcheck"), "shellcheck is not installed (apt-get install shellcheck; .ci/run does)"
+    result = run(["shellcheck", "-x", *map(str, SCRIPTS)], cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
