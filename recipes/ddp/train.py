@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import sys
 import time
 from dataclasses import asdict
@@ -188,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
               f"MFU {100 * s['mean_mfu']:.2f}% (peak {peak / 1e12:.3f} TFLOP/s, {peak_source}); "
               f"metrics in {metrics.path}", flush=True)
     if env.world_size > 1:
+        # Tear down together, and while the interpreter is fully alive: DDP's reducer holds the process
+        # group, and a gloo group still alive at interpreter exit can abort the process (SIGABRT, exit != 0
+        # after a successful run).
+        dist.barrier()
+        del model
+        gc.collect()
         dist.destroy_process_group()
     if spread != 0.0:
         print(f"[{RECIPE}] error: parameters differ across ranks by up to {spread:.3g}: "
