@@ -16,7 +16,9 @@ JOB = dict(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="nid[000003-000004]", SLURM_J
 
 
 def launch(*recipe_args: str, **env: str):
-    script = f'source "{REPO}/slurm/lib/launch.sh" && launch_recipe recipes/ddp/train.py {shlex.join(recipe_args)}'
+    # The shell options of the sbatch files, so a command that fails under them fails here too.
+    script = (f'set -euo pipefail; source "{REPO}/slurm/lib/launch.sh"; '
+              f'launch_recipe recipes/ddp/train.py {shlex.join(recipe_args)}')
     return run(["bash", "-c", script], env=recipe_env(**{**JOB, **env}), timeout=60, cwd=REPO)
 
 
@@ -46,6 +48,18 @@ def test_shifter_explicit_image_and_modules():
     result = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="docker:me/ddp:v1",
                     SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin")
     assert srun_line(result)[3:6] == ["shifter", "--image=docker:me/ddp:v1", "--module=gpu,nccl-plugin"]
+    without_modules = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1")
+    assert without_modules.returncode == 0, without_modules.stderr
+    assert srun_line(without_modules)[3:6] == ["shifter", "--image=docker:me/ddp:v1", "python3"]
+
+
+def test_podman_in_a_directory_outside_the_repository(tmp_path):
+    script_env = {"CONTAINER_RUNTIME": "podman", "LAUNCH_DRY_RUN": "1", "CONTAINER_IMAGE": "me/ddp:v1"}
+    result = run(["bash", "-c", f'set -euo pipefail; source "{REPO}/slurm/lib/launch.sh"; launch_recipe recipes/ddp/train.py'],
+                 env=recipe_env(**{**JOB, **script_env}), timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    words = srun_line(result)
+    assert ["-v", f"{tmp_path}:{tmp_path}"] == words[words.index("-w") + 2 : words.index("-w") + 4]
 
 
 def test_podman_hpc_command():
