@@ -19,7 +19,7 @@ import re
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -388,5 +388,4 @@ def describe_run(env: DistEnv, backend: str, device: torch.device, wrapper: str)
         "python_version": sys.version.split()[0],
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "env": asdict(env),
     }

@@ -13,35 +13,27 @@
  * Built by tests/cluster/local_slurm.sh against Debian's libslurm-dev headers.
  */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include <slurm/spank.h>
 
 SPANK_PLUGIN(shifter, 1);
 
-static char image_type[64] = "";
 static char image[1024] = "";
 static char modules[1024] = "";
 
 static int take_image(int val, const char *optarg, int remote)
 {
-    const char *colon;
     (void)val;
     (void)remote;
     if (optarg == NULL || optarg[0] == '\0') {
         slurm_error("shifter: --image needs a value, e.g. --image=docker:REPO/NAME:TAG");
         return -1;
     }
-    /* "docker:name:tag" names its type; a bare "name:tag" is a docker image, as in Shifter. */
-    colon = strchr(optarg, ':');
-    if (colon != NULL && strncmp(optarg, "docker:", 7) == 0) {
-        snprintf(image_type, sizeof(image_type), "docker");
-        snprintf(image, sizeof(image), "%s", colon + 1);
-    } else {
-        snprintf(image_type, sizeof(image_type), "docker");
-        snprintf(image, sizeof(image), "%s", optarg);
-    }
+    /* "docker:name:tag" and a bare "name:tag" both name a docker image, as in Shifter. */
+    if (strncmp(optarg, "docker:", 7) == 0)
+        optarg += 7;
+    snprintf(image, sizeof(image), "%s", optarg);
     return 0;
 }
 
@@ -79,7 +71,7 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
     (void)av;
     if (image[0] != '\0') {
         spank_setenv(sp, "SLURM_SPANK_SHIFTER_IMAGE", image, 1);
-        spank_setenv(sp, "SLURM_SPANK_SHIFTER_IMAGETYPE", image_type, 1);
+        spank_setenv(sp, "SLURM_SPANK_SHIFTER_IMAGETYPE", "docker", 1);
     }
     if (modules[0] != '\0')
         spank_setenv(sp, "SLURM_SPANK_SHIFTER_MODULE", modules, 1);
