@@ -53,13 +53,22 @@ def test_shifter_explicit_image_and_modules():
     assert srun_line(without_modules)[3:6] == ["shifter", "--image=docker:me/ddp:v1", "python3"]
 
 
-def test_podman_in_a_directory_outside_the_repository(tmp_path):
+def test_podman_mounts_a_working_directory_outside_the_repository(tmp_path):
     script_env = {"CONTAINER_RUNTIME": "podman", "LAUNCH_DRY_RUN": "1", "CONTAINER_IMAGE": "me/ddp:v1"}
-    result = run(["bash", "-c", f'set -euo pipefail; source "{REPO}/slurm/lib/launch.sh"; launch_recipe recipes/ddp/train.py'],
-                 env=recipe_env(**{**JOB, **script_env}), timeout=60, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    words = srun_line(result)
-    assert ["-v", f"{tmp_path}:{tmp_path}"] == words[words.index("-w") + 2 : words.index("-w") + 4]
+    script = f'set -euo pipefail; source "{REPO}/slurm/lib/launch.sh"; launch_recipe recipes/ddp/train.py'
+    # A sibling whose name starts like the repository's is still outside it.
+    for workdir in (tmp_path, REPO.parent / f"{REPO.name}-sibling"):
+        workdir.mkdir(exist_ok=True)
+        try:
+            result = run(["bash", "-c", script], env=recipe_env(**{**JOB, **script_env}), timeout=60, cwd=workdir)
+        finally:
+            if workdir != tmp_path:
+                workdir.rmdir()
+        assert result.returncode == 0, result.stderr
+        words = srun_line(result)
+        assert ["-v", f"{workdir}:{workdir}"] == words[words.index("-w") + 2 : words.index("-w") + 4]
+    inside = srun_line(launch(**script_env))  # run from the repository root: one mount only
+    assert inside.count("-v") == 1
 
 
 def test_podman_hpc_command():

@@ -106,7 +106,7 @@ build_command() {
         [[ $runtime == podman-hpc ]] && cmd+=(--gpu --nccl)
         # Same path inside as outside, so logs, checkpoints and metrics land where the user looks.
         cmd+=(-v "$REPO_DIR:$REPO_DIR" -w "$PWD")
-        [[ $PWD != "$REPO_DIR"* ]] && cmd+=(-v "$PWD:$PWD")
+        [[ $PWD == "$REPO_DIR" || $PWD == "$REPO_DIR"/* ]] || cmd+=(-v "$PWD:$PWD")
         # Variables without a value are read from the task's own environment when each container starts,
         # so every rank sees its own SLURM_PROCID.
         local var
