@@ -84,3 +84,13 @@ def test_batch_not_divisible_by_world_size_fails_with_one_line(slurm_cluster, tm
     assert code != 0 and state == "FAILED", log
     assert "[ddp] error: --global-batch 10 is not divisible by the world size 4" in log
     assert "Traceback" not in log and "world_size=4" not in log
+
+
+def test_shifter_directives_reach_the_job_as_shifter_names_them(slurm_cluster, tmp_path):
+    """The SPANK plugin: --image/--module are accepted and exported under Shifter's variable names."""
+    out = tmp_path / "probe.out"
+    result = run(["sbatch", "--wait", "-o", str(out), "--image=docker:me/ddp:v1", "--module=gpu,nccl-plugin", "--wrap",
+                  "echo image=$SLURM_SPANK_SHIFTER_IMAGE type=$SLURM_SPANK_SHIFTER_IMAGETYPE module=$SLURM_SPANK_SHIFTER_MODULE"],
+                 env=recipe_env(**slurm_cluster), cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert out.read_text().strip() == "image=me/ddp:v1 type=docker module=gpu,nccl-plugin"
