@@ -27,4 +27,5 @@ set -euo pipefail
 source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
     { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
 
-launch_recipe recipes/ddp/train.py --out-dir "${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/ddp-$SLURM_JOB_ID}" "$@"
+RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/ddp-$SLURM_JOB_ID}
+launch_recipe recipes/ddp/train.py --out-dir "$RUN_DIR" "$@"

@@ -7,6 +7,7 @@ The same errors on a real job are exercised in tests/test_slurm_ddp.py.
 
 from __future__ import annotations
 
+import os
 import shlex
 
 from conftest import REPO, recipe_env, run
@@ -53,6 +54,32 @@ def test_shifter_explicit_image_and_modules():
     assert srun_line(without_modules)[3:6] == ["shifter", "--image=docker:me/ddp:v1", "python3"]
 
 
+def mounts(words: list[str]) -> list[str]:
+    """The host directories a podman command mounts (each at the same path inside)."""
+    pairs = [words[i + 1].split(":") for i, word in enumerate(words) if word == "-v"]
+    assert all(host == inside for host, inside in pairs), pairs
+    return [host for host, _ in pairs]
+
+
+def test_podman_mounts_the_run_directory_and_extra_mounts_once(tmp_path):
+    data, run_dir = tmp_path / "data", tmp_path / "out" / "run-1"
+    data.mkdir()
+    words = srun_line(launch(CONTAINER_RUNTIME="podman", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1",
+                             RUN_DIR=str(run_dir), CONTAINER_MOUNTS=f"{data} {REPO}/recipes"))
+    # recipes/ is inside the repository, already mounted
+    assert mounts(words) == [str(REPO), str(run_dir), str(data)]
+
+
+def test_unwritable_run_directory_and_bad_mounts_fail_before_srun(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    error = one_line_error(launch(CONTAINER_RUNTIME="none", RUN_DIR=str(blocker / "run")))
+    assert f"cannot write to the run directory RUN_DIR={blocker}/run" in error
+    assert not (blocker / "run").exists()
+    error = one_line_error(launch(CONTAINER_RUNTIME="none", CONTAINER_MOUNTS="relative/dir"))
+    assert "CONTAINER_MOUNTS: 'relative/dir' is not an existing absolute directory" in error
+
+
 def test_podman_mounts_a_working_directory_outside_the_repository(tmp_path):
     script_env = {"CONTAINER_RUNTIME": "podman", "LAUNCH_DRY_RUN": "1", "CONTAINER_IMAGE": "me/ddp:v1"}
     script = f'set -euo pipefail; source "{REPO}/slurm/lib/launch.sh"; launch_recipe recipes/ddp/train.py'
@@ -65,10 +92,11 @@ def test_podman_mounts_a_working_directory_outside_the_repository(tmp_path):
             if workdir != tmp_path:
                 workdir.rmdir()
         assert result.returncode == 0, result.stderr
-        words = srun_line(result)
-        assert ["-v", f"{workdir}:{workdir}"] == words[words.index("-w") + 2 : words.index("-w") + 4]
+        assert mounts(srun_line(result)) == [str(REPO), str(workdir)]
     inside = srun_line(launch(**script_env))  # run from the repository root: one mount only
-    assert inside.count("-v") == 1
+    assert mounts(inside) == [str(REPO)] and inside[inside.index("-w") + 1] == str(REPO)
+    # Ranks run as the submitting user (as under Shifter), so their files belong to that user.
+    assert inside[inside.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}"
 
 
 def test_podman_hpc_command():
@@ -77,10 +105,12 @@ def test_podman_hpc_command():
     words = srun_line(result)
     assert words[3:8] == ["podman-hpc", "run", "--rm", "--network=host", "--ipc=host"]
     assert "--gpu" in words and "--nccl" in words
+    assert "--user" not in words  # podman-hpc maps the user itself
     assert ["-v", f"{REPO}:{REPO}"] == words[words.index("-v"):words.index("-v") + 2]
-    # Each rank's own SLURM_PROCID must reach its container.
-    for var in ("SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT", "NCCL_NET", "FI_MR_CACHE_MONITOR"):
-        assert var in words[words.index("-e") :], var
+    # Each rank's own SLURM_PROCID and the step's variables (absent where the command is built) must
+    # reach its container: podman takes them, by prefix, from each task's environment.
+    passed = [words[i + 1] for i, word in enumerate(words) if word == "-e"]
+    assert passed == ["SLURM_*", "MASTER_*", "NCCL_*", "FI_*", "OMP_NUM_THREADS", "PYTHONUNBUFFERED"]
     assert words[words.index("me/ddp:v1") + 1 :][:2] == ["python3", f"{REPO}/recipes/ddp/train.py"]
 
 

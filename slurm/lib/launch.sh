@@ -15,6 +15,10 @@
 #                      clusters without the plugin.
 #   LAUNCH_DRY_RUN=1   print the srun command instead of running it
 #   REPO_DIR           the checkout holding recipes/ (default: the directory sbatch was called from)
+#   RUN_DIR            the run's output directory (checkpoints, metrics): created here, mounted into the
+#                      container; the sbatch files default it to runs/<recipe>-<jobid> in the repository
+#   CONTAINER_MOUNTS   more host directories the ranks need (data sets), space-separated; each is mounted
+#                      at the same path (podman, podman-hpc; Shifter mounts $SCRATCH and $HOME itself)
 
 SUPPORTED_RUNTIMES="shifter podman-hpc podman none"
 
@@ -84,6 +88,16 @@ export_network_settings() {
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 }
 
+# True when directory $1 is one of the others or inside one of them.
+is_inside() {
+    local dir=$1 other
+    shift
+    for other in "$@"; do
+        [[ $dir == "$other" || $dir == "$other"/* ]] && return 0
+    done
+    return 1
+}
+
 # Fills the array named by $1 with the srun command that starts every rank.
 build_command() {
     local -n cmd=$1
@@ -103,16 +117,30 @@ build_command() {
         ;;
     podman | podman-hpc)
         cmd+=("$runtime" run --rm --network=host --ipc=host)
-        [[ $runtime == podman-hpc ]] && cmd+=(--gpu --nccl)
-        # Same path inside as outside, so logs, checkpoints and metrics land where the user looks.
-        cmd+=(-v "$REPO_DIR:$REPO_DIR" -w "$PWD")
-        [[ $PWD == "$REPO_DIR" || $PWD == "$REPO_DIR"/* ]] || cmd+=(-v "$PWD:$PWD")
-        # Variables without a value are read from the task's own environment when each container starts,
-        # so every rank sees its own SLURM_PROCID.
-        local var
-        for var in $(compgen -e | grep -E '^(SLURM_|MASTER_|NCCL_|FI_|OMP_NUM_THREADS$|PYTHONUNBUFFERED$)'); do
-            cmd+=(-e "$var")
+        # podman-hpc maps the user and adds the GPUs and the Slingshot/NCCL libraries itself. Plain podman
+        # runs the ranks as the submitting user, as Shifter does, so what they write belongs to that user.
+        if [[ $runtime == podman-hpc ]]; then
+            cmd+=(--gpu --nccl)
+        else
+            cmd+=(--user "$(id -u):$(id -g)")
+        fi
+        # Same paths inside as outside, so logs, checkpoints and metrics land where the user looks: the
+        # repository, the working directory, the run directory and CONTAINER_MOUNTS. Anything a rank
+        # writes elsewhere would vanish with its container.
+        local -a mounted=()
+        local dir
+        # shellcheck disable=SC2086 # CONTAINER_MOUNTS is a space-separated list
+        for dir in "$REPO_DIR" "$PWD" ${RUN_DIR:+"$RUN_DIR"} ${CONTAINER_MOUNTS:-}; do
+            if ! is_inside "$dir" "${mounted[@]}"; then
+                mounted+=("$dir")
+                cmd+=(-v "$dir:$dir")
+            fi
         done
+        cmd+=(-w "$PWD")
+        # Prefixes: podman reads the matching variables from each task's own environment when its
+        # container starts, so every rank gets its own SLURM_PROCID and the step's SLURM_STEP_* (which the
+        # batch script, where this command is built, does not have).
+        cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'FI_*' -e OMP_NUM_THREADS -e PYTHONUNBUFFERED)
         cmd+=("$image")
         ;;
     esac
@@ -130,6 +158,16 @@ launch_recipe() {
     local runtime image
     runtime=$(choose_runtime) || exit 2
     image=$(choose_image "$runtime") || exit 2
+    if [[ -n ${RUN_DIR:-} ]]; then
+        [[ $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
+        if [[ ${LAUNCH_DRY_RUN:-0} != 1 ]] && ! { mkdir -p "$RUN_DIR" 2>/dev/null && [[ -w $RUN_DIR ]]; }; then
+            launch_error "cannot write to the run directory RUN_DIR=$RUN_DIR: choose one you own (e.g. under \$SCRATCH)"
+        fi
+    fi
+    local dir
+    for dir in ${CONTAINER_MOUNTS:-}; do
+        [[ $dir == /* && -d $dir ]] || launch_error "CONTAINER_MOUNTS: '$dir' is not an existing absolute directory"
+    done
 
     MASTER_ADDR=${MASTER_ADDR:-$(first_node)}
     [[ -n $MASTER_ADDR ]] || launch_error "cannot tell the first node of the job (SLURM_JOB_NODELIST is empty): set MASTER_ADDR"

@@ -184,8 +184,10 @@ start_daemons() {
         pid_alive "$STATE_DIR/run/slurmd-$name.pid" && continue
         mkdir -p "$STATE_DIR/spool/$name"
         # Its own network and hostname; slurmd forks into the background and its jobs inherit both.
+        # nsenter, not `ip netns exec`: that one remounts /sys, and without the host's cgroup mounts under
+        # /sys/fs/cgroup container runtimes (podman + runc) cannot start containers in the jobs.
         # shellcheck disable=SC2016 # as above
-        ip netns exec "$name" unshare --uts -- sh -c 'hostname "$1" && exec slurmd -f "$2" -N "$1"' \
+        nsenter --net="/run/netns/$name" unshare --uts -- sh -c 'hostname "$1" && exec slurmd -f "$2" -N "$1"' \
             sh "$name" "$SLURM_CONF"
     done
 }
