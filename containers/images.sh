@@ -1,0 +1,353 @@
+#!/usr/bin/env bash
+# Build, label, push and pull the hpcml images. The Makefile's build-*/push-*/pull-*/versions targets call it.
+#
+#   containers/images.sh build IMAGE...      build IMAGE (and its parents, from cache when unchanged)
+#   containers/images.sh push IMAGE...       push to $REGISTRY: :FLAVOR and the immutable :FLAVOR-COMMIT
+#   containers/images.sh pull IMAGE...       pull from $REGISTRY with shifterimg, podman-hpc, podman or docker
+#   containers/images.sh versions IMAGE      the image's labels, and what it really holds (hpcml-versions)
+#   containers/images.sh rootfs              make the cpu flavor's Debian base locally (mmdebstrap + import)
+#   containers/images.sh pin-cuda-bases      print the NGC bases with their digests (needs skopeo + nvcr.io)
+#
+# IMAGE: base pytorch ddp megatron deepspeed accelerate horovod (base-tf: the cuda flavor's TF base).
+# Names: hpcml/IMAGE:FLAVOR locally (podman stores them as localhost/hpcml/IMAGE:FLAVOR).
+#
+# Variables:
+#   FLAVOR       cpu (default; runs anywhere, what CI tests) | cuda (NGC bases; build on an x86_64 host
+#                that reaches nvcr.io)
+#   ENGINE       podman-hpc | podman | docker | shifter (pull only); default: the first one installed
+#   REGISTRY     where push/pull go, e.g. registry.nersc.gov/myproject or 127.0.0.1:5000
+#   TLS_VERIFY   false for a plain-http registry such as a local test one (default true)
+#   WHEEL_DIR    a local directory of wheels, bind-mounted into pip steps (podman only); default: the
+#                directory PIP_FIND_LINKS names, if any. Never copied into a layer.
+#   CA_BUNDLE    a CA bundle for pip behind a TLS-inspecting proxy, given as a build secret (never a
+#                layer); default: PIP_CERT, else none
+set -euo pipefail
+
+REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CONTAINERS_DIR=$REPO_DIR/containers
+FLAVOR=${FLAVOR:-cpu}
+IMAGE_REPO=${IMAGE_REPO:-hpcml}
+LEAVES="ddp megatron deepspeed accelerate horovod"
+KNOWN="base base-tf pytorch $LEAVES"
+
+die() {
+    echo "images: error: $*" >&2
+    exit 2
+}
+say() { echo "images: $*" >&2; }
+
+# shellcheck source=containers/versions.env
+source "$CONTAINERS_DIR/versions.env"
+
+case $FLAVOR in
+cpu | cuda) ;;
+*) die "unknown FLAVOR '$FLAVOR': use cpu or cuda" ;;
+esac
+
+# The settings this project's CI machines need (runc, explicit ulimits), unless the user chose their own.
+if [[ -z ${CONTAINERS_CONF:-} ]] && command -v runc >/dev/null 2>&1; then
+    export CONTAINERS_CONF=$CONTAINERS_DIR/podman/containers.conf
+fi
+
+choose_engine() {
+    if [[ -n ${ENGINE:-} ]]; then
+        command -v "$ENGINE" >/dev/null 2>&1 || die "ENGINE=$ENGINE is not installed on $(hostname)"
+        echo "$ENGINE"
+        return
+    fi
+    local engine
+    for engine in podman-hpc podman docker; do
+        if command -v "$engine" >/dev/null 2>&1; then
+            echo "$engine"
+            return
+        fi
+    done
+    die "no container engine found: install podman (apt-get install podman) or docker, or set ENGINE"
+}
+
+local_name() { echo "$IMAGE_REPO/$1:$FLAVOR"; }
+
+# The image each one is built on, and the Containerfile it is built from.
+parent_of() {
+    case $1 in
+    base | base-tf) echo "" ;;
+    pytorch) echo base ;;
+    ddp | megatron | deepspeed | accelerate) echo pytorch ;;
+    horovod) if [[ $FLAVOR == cuda ]]; then echo base-tf; else echo base; fi ;;
+    esac
+}
+
+containerfile_of() {
+    case $1 in
+    base-tf) echo "$CONTAINERS_DIR/base/Containerfile" ;;
+    *) echo "$CONTAINERS_DIR/$1/Containerfile" ;;
+    esac
+}
+
+check_known() {
+    local image
+    for image in "$@"; do
+        case " $KNOWN " in
+        *" $image "*) ;;
+        *) die "unknown image '$image': use one of: $KNOWN" ;;
+        esac
+    done
+}
+
+# The commit the image is built from; "-dirty" when what goes into an image differs from it.
+revision() {
+    local commit
+    commit=$(git -C "$REPO_DIR" rev-parse --short=12 HEAD 2>/dev/null) || {
+        echo unknown
+        return
+    }
+    if [[ -n $(git -C "$REPO_DIR" status --porcelain -- containers recipes 2>/dev/null) ]]; then
+        commit+=-dirty
+    fi
+    echo "$commit"
+}
+
+# Every pin of versions.env, under the names the Containerfiles use, for this flavor: one
+# "--build-arg NAME=VALUE" pair per argument the image's Containerfile declares (engines warn about others).
+build_args() {
+    local image=$1 pin parent
+    local -a pins=("FLAVOR=$FLAVOR")
+    for pin in MPICH_VERSION MPI4PY_VERSION MEGATRON_CORE_VERSION DEEPSPEED_VERSION ACCELERATE_VERSION \
+        HOROVOD_VERSION TF_KERAS_VERSION TORCH_CPU_INDEX; do
+        pins+=("$pin=${!pin}")
+    done
+    if [[ $FLAVOR == cpu ]]; then
+        pins+=("BASE_IMAGE=$CPU_BASE_IMAGE" "PYTHON_VERSION=$PYTHON_VERSION_cpu" "TORCH_VERSION=$TORCH_VERSION_cpu"
+            "NUMPY_VERSION=$NUMPY_VERSION_cpu" "TENSORFLOW_VERSION=$TENSORFLOW_VERSION_cpu")
+    elif [[ $image == base-tf ]]; then
+        pins+=("BASE_IMAGE=$CUDA_TF_BASE")
+    else
+        pins+=("BASE_IMAGE=$CUDA_TORCH_BASE")
+    fi
+    parent=$(parent_of "$image")
+    [[ -z $parent ]] || pins+=("PARENT=$(qualified "$(local_name "$parent")")")
+    local declared
+    declared=" $(sed -n 's/^ARG \([A-Z_]*\).*/\1/p' "$(containerfile_of "$image")" | tr '\n' ' ') "
+    for pin in "${pins[@]}"; do
+        [[ $declared == *" ${pin%%=*} "* ]] && printf '%s\n' --build-arg "$pin"
+    done
+    return 0
+}
+
+# podman keeps unqualified local builds under localhost/; FROM lines need the qualified name.
+qualified() {
+    if [[ $ENGINE == docker ]]; then echo "$1"; else echo "localhost/$1"; fi
+}
+
+ensure_cpu_base() {
+    [[ $FLAVOR == cpu && $CPU_BASE_IMAGE == localhost/* ]] || return 0
+    if ! image_exists "$CPU_BASE_IMAGE"; then
+        make_rootfs
+    fi
+}
+
+image_exists() {
+    if [[ $ENGINE == docker ]]; then docker image inspect "$1" >/dev/null 2>&1; else "$ENGINE" image exists "$1"; fi
+}
+
+# Debian bookworm (minbase, with security updates, no docs/man/locales), imported as CPU_BASE_IMAGE.
+make_rootfs() {
+    command -v mmdebstrap >/dev/null 2>&1 || die "mmdebstrap is needed to make $CPU_BASE_IMAGE: apt-get install mmdebstrap" \
+        "(or set CPU_BASE_IMAGE=docker.io/library/debian:bookworm-slim where docker.io is reachable)"
+    local tmp
+    tmp=$(mktemp -d)
+    # shellcheck disable=SC2064 # expand now: the path is fixed
+    trap "rm -rf '$tmp'" EXIT
+    say "making $CPU_BASE_IMAGE with mmdebstrap (about a minute)"
+    mmdebstrap --quiet --variant=minbase --include=ca-certificates \
+        --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
+        --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
+        --dpkgopt='path-include=/usr/share/doc/*/copyright' --dpkgopt='path-exclude=/usr/share/locale/*' \
+        bookworm "$tmp/rootfs.tar" \
+        "deb http://deb.debian.org/debian bookworm main" \
+        "deb http://deb.debian.org/debian bookworm-updates main" \
+        "deb http://deb.debian.org/debian-security bookworm-security main"
+    "$ENGINE" import --change 'CMD ["/bin/bash"]' "$tmp/rootfs.tar" "$CPU_BASE_IMAGE" >/dev/null
+    rm -rf "$tmp"
+    trap - EXIT
+}
+
+engine_build() {
+    local -a extra=()
+    if [[ $ENGINE == podman || $ENGINE == podman-hpc ]]; then
+        # docker format: the OCI format drops SHELL, and the Containerfiles rely on bash with pipefail.
+        extra+=(--format docker)
+        [[ -n $WHEEL_DIR ]] && extra+=(-v "$WHEEL_DIR:/wheels:ro")
+    else
+        export DOCKER_BUILDKIT=1
+    fi
+    "$ENGINE" build --network=host --secret "id=cacert,src=$CA_SECRET" "${extra[@]}" "$@"
+}
+
+build_one() {
+    local image=$1 parent
+    parent=$(parent_of "$image")
+    [[ -z $parent ]] || build_one "$parent"
+    case " $BUILT " in *" $image "*) return 0 ;; esac
+
+    local name tmp start=$SECONDS
+    name=$(local_name "$image")
+    tmp=$(mktemp -d)
+    say "building $name (FLAVOR=$FLAVOR, engine $ENGINE)"
+    local -a args
+    mapfile -t args < <(build_args "$image")
+    engine_build "${args[@]}" --iidfile "$tmp/iid" -f "$(containerfile_of "$image")" "$REPO_DIR"
+
+    # Labels written from what the built image really holds, plus where it came from. Only the leaf
+    # images carry the git commit: a commit label on a parent would rebuild every child on every commit.
+    local iid
+    iid=$(<"$tmp/iid")
+    {
+        echo "FROM $iid"
+        "$ENGINE" run --rm --entrypoint hpcml-versions "$iid" --labels
+        echo "LABEL io.hpcml.image=\"$image\" io.hpcml.flavor=\"$FLAVOR\" org.opencontainers.image.title=\"hpcml/$image\""
+        case " $LEAVES " in
+        *" $image "*) echo "LABEL org.opencontainers.image.revision=\"$(revision)\"" ;;
+        esac
+    } >"$tmp/Containerfile"
+    engine_build -t "$name" -f "$tmp/Containerfile" "$tmp" >/dev/null
+    rm -rf "$tmp"
+    BUILT="$BUILT $image"
+    say "built $name in $((SECONDS - start)) s"
+}
+
+cmd_build() {
+    (($#)) || die "name the images to build: $KNOWN"
+    check_known "$@"
+    WHEEL_DIR=${WHEEL_DIR-${PIP_FIND_LINKS:-}}
+    if [[ -n $WHEEL_DIR && ! -d $WHEEL_DIR ]]; then
+        say "WHEEL_DIR=$WHEEL_DIR is not a directory: ignoring it"
+        WHEEL_DIR=
+    fi
+    # The secret always exists for the build (an empty file when there is no CA bundle), so the same
+    # Containerfile builds with and without one.
+    CA_SECRET=$(mktemp)
+    # shellcheck disable=SC2064 # expand now: the path is fixed
+    trap "rm -f '$CA_SECRET'" EXIT
+    local bundle=${CA_BUNDLE-${PIP_CERT:-}}
+    if [[ -n $bundle ]]; then
+        [[ -r $bundle ]] || die "CA_BUNDLE=$bundle is not readable"
+        cat "$bundle" >"$CA_SECRET"
+    fi
+    ensure_cpu_base
+    BUILT=""
+    local image
+    for image in "$@"; do
+        build_one "$image"
+    done
+}
+
+registry_ref() {
+    [[ -n ${REGISTRY:-} ]] || die "set REGISTRY, e.g. REGISTRY=registry.nersc.gov/myproject (or 127.0.0.1:5000)"
+    echo "$REGISTRY/$IMAGE_REPO/$1:${2:-$FLAVOR}"
+}
+
+# Pushes the immutable :FLAVOR-COMMIT (refused if the registry holds a different image under it), then
+# moves :FLAVOR to it. Images built from uncommitted changes are refused unless ALLOW_DIRTY=1.
+cmd_push() {
+    (($#)) || die "name the images to push: $LEAVES"
+    check_known "$@"
+    registry_ref "$1" >/dev/null
+    local image name revision floating immutable
+    for image in "$@"; do
+        name=$(qualified "$(local_name "$image")")
+        image_exists "$name" || die "$name is not built here: make build-$image FLAVOR=$FLAVOR"
+        revision=$("$ENGINE" image inspect --format '{{ index .Config.Labels "org.opencontainers.image.revision" }}' "$name")
+        [[ -n $revision && $revision != "<no value>" ]] || die "$name has no revision label: push the leaf images ($LEAVES)"
+        if [[ $revision == *-dirty && ${ALLOW_DIRTY:-0} != 1 ]]; then
+            die "$name was built from uncommitted changes ($revision): commit and rebuild, or set ALLOW_DIRTY=1"
+        fi
+        floating=$(registry_ref "$image")
+        immutable=$(registry_ref "$image" "$FLAVOR-$revision")
+        check_immutable "$name" "$immutable"
+        push_one "$name" "$immutable"
+        push_one "$name" "$floating"
+        echo "$immutable"
+    done
+}
+
+# An immutable tag already in the registry must name this very image (same config digest = image id).
+check_immutable() {
+    command -v skopeo >/dev/null 2>&1 || {
+        say "skopeo not installed: cannot check that $2 is new (apt-get install skopeo)"
+        return 0
+    }
+    local remote local_id
+    remote=$(skopeo inspect --raw --tls-verify="${TLS_VERIFY:-true}" "docker://$2" 2>/dev/null |
+        python3 -c 'import json, sys; print(json.load(sys.stdin)["config"]["digest"])' 2>/dev/null) || return 0
+    local_id=$("$ENGINE" image inspect --format '{{ .Id }}' "$1")
+    [[ $remote == "sha256:${local_id#sha256:}" ]] ||
+        die "$2 already exists in the registry and is a different image: immutable tags are never overwritten" \
+            "(rebuild from a new commit)"
+}
+
+push_one() {
+    say "pushing $1 to $2"
+    if [[ $ENGINE == docker ]]; then
+        docker tag "$1" "$2" && docker push --quiet "$2"
+    else
+        "$ENGINE" push --quiet --tls-verify="${TLS_VERIFY:-true}" "$1" "docker://$2"
+    fi
+}
+
+cmd_pull() {
+    (($#)) || die "name the images to pull: $LEAVES"
+    check_known "$@"
+    registry_ref "$1" >/dev/null
+    local image ref
+    for image in "$@"; do
+        ref=$(registry_ref "$image" "${TAG:-$FLAVOR}")
+        say "pulling $ref with $ENGINE"
+        case $ENGINE in
+        shifter) shifterimg pull "docker:$ref" ;;
+        docker) docker pull "$ref" ;;
+        *) "$ENGINE" pull --tls-verify="${TLS_VERIFY:-true}" "docker://$ref" ;;
+        esac
+        say "run it with: CONTAINER_IMAGE=$ref (or '#SBATCH --image=docker:$ref' under Shifter)"
+    done
+}
+
+cmd_versions() {
+    (($# == 1)) || die "usage: containers/images.sh versions IMAGE (e.g. make versions IMAGE=ddp)"
+    check_known "$1"
+    local name
+    name=$(qualified "$(local_name "$1")")
+    image_exists "$name" || die "$name is not built here: make build-$1 FLAVOR=$FLAVOR"
+    echo "# labels of $name"
+    # shellcheck disable=SC2016 # a Go template for the engine, not a shell expansion
+    "$ENGINE" image inspect --format '{{ range $k, $v := .Config.Labels }}{{ $k }}={{ $v }}{{ "\n" }}{{ end }}' "$name" |
+        grep -E '^(io\.hpcml|org\.opencontainers)' | sort
+    echo "# what $name holds (hpcml-versions, run inside)"
+    "$ENGINE" run --rm --entrypoint hpcml-versions "$name"
+}
+
+cmd_pin_cuda_bases() {
+    command -v skopeo >/dev/null 2>&1 || die "skopeo is needed: apt-get install skopeo"
+    local ref digest
+    for ref in "$CUDA_TORCH_BASE" "$CUDA_TF_BASE"; do
+        digest=$(skopeo inspect --format '{{ .Digest }}' "docker://${ref%@*}")
+        echo "${ref%@*}@$digest"
+    done
+    say "put these into containers/versions.env (CUDA_TORCH_BASE, CUDA_TF_BASE)"
+}
+
+main() {
+    local command=${1:-}
+    shift || true
+    case $command in
+    build) ENGINE=$(choose_engine) && cmd_build "$@" ;;
+    push) ENGINE=$(choose_engine) && cmd_push "$@" ;;
+    pull) if [[ ${ENGINE:-} != shifter ]]; then ENGINE=$(choose_engine); fi && cmd_pull "$@" ;;
+    versions) ENGINE=$(choose_engine) && cmd_versions "$@" ;;
+    rootfs) ENGINE=$(choose_engine) && FLAVOR=cpu && make_rootfs ;;
+    pin-cuda-bases) cmd_pin_cuda_bases ;;
+    *) sed -n '2,10s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2 && exit 2 ;;
+    esac
+}
+
+main "$@"
