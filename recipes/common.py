@@ -375,6 +375,17 @@ def restore_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def container_runtime() -> str:
+    """The container this process runs in, as far as the runtime says so ("none" on the bare host)."""
+    if os.environ.get("SHIFTER_RUNTIME") or os.path.isdir("/opt/udiImage"):
+        return "shifter"
+    if os.path.exists("/run/.containerenv"):
+        return "podman"
+    if os.path.exists("/.dockerenv"):
+        return "docker"
+    return "none"
+
+
 def describe_run(env: DistEnv, backend: str, device: torch.device, wrapper: str) -> dict:
     """What ran: recorded in every metrics file so a result can be traced back to its layout and versions."""
     return {
@@ -386,6 +397,8 @@ def describe_run(env: DistEnv, backend: str, device: torch.device, wrapper: str)
         "model_wrapper": wrapper,
         "torch_version": torch.__version__,
         "python_version": sys.version.split()[0],
+        "python": sys.executable,
+        "container": container_runtime(),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

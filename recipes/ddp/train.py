@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         flops_per_token=flops_per_token, peak_flops_per_device=peak, peak_source=peak_source,
         world_size=env.world_size, log_every=args.log_every, history=history,
         run_info={**common.describe_run(env, backend, device, type(model).__name__), "hostnames": hostnames,
+                  "layout": {"dp": env.world_size},
                   "dtype": str(dtype), "config": vars(args), "resumed_from_step": start_step or None},
     )
     if is_rank0:
