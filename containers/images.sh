@@ -212,6 +212,10 @@ build_one() {
     } >"$tmp/Containerfile"
     engine_build -t "$name" -f "$tmp/Containerfile" "$tmp" >/dev/null
     rm -rf "$tmp"
+    # podman-hpc: compute nodes see only squashed images; `podman-hpc pull` squashes, a build does not.
+    if [[ $ENGINE == podman-hpc && " $LEAVES " == *" $image "* ]]; then
+        podman-hpc migrate "$name"
+    fi
     BUILT="$BUILT $image"
     say "built $name in $((SECONDS - start)) s"
 }
