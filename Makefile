@@ -8,12 +8,22 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 # Optional: a PyTorch wheel index, e.g. https://download.pytorch.org/whl/cpu for the small CPU build.
 TORCH_INDEX ?=
+# Images (containers/images.sh documents FLAVOR, ENGINE, REGISTRY, TLS_VERIFY, WHEEL_DIR, CA_BUNDLE).
+IMAGES := ddp megatron deepspeed accelerate horovod
+FLAVOR ?= cpu
+export FLAVOR
+IMAGE_TOOL := bash containers/images.sh
+PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
 
-.PHONY: help venv run test test-unit test-slurm shellcheck cluster-start cluster-stop cluster-status clean
+.PHONY: help venv run test test-unit test-slurm test-images test-images-all shellcheck hadolint \
+	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases
 
 help:
 	@sed -n 's/^#   //p' Makefile
-	@echo "other targets: venv test-unit test-slurm shellcheck cluster-start cluster-stop cluster-status clean"
+	@echo "images:  make build-IMAGE | push-IMAGE REGISTRY=... | pull-IMAGE REGISTRY=... | versions IMAGE=..."
+	@echo "         build-all, base-rootfs, pin-cuda-bases   (IMAGE: $(IMAGES); FLAVOR=cpu|cuda)"
+	@echo "tests:   test-unit test-slurm test-images test-images-all hadolint shellcheck"
+	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
 
 venv: $(VENV)/.installed
 
@@ -27,17 +37,50 @@ run: venv
 		recipes/ddp/train.py --out-dir runs/ddp-local --no-resume
 
 # The local Slurm cluster is started by the tests themselves (and left up for the next run).
+# Builds the cpu images the matrix needs (cached after the first run) and runs everything.
 test: venv
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
+	$(PYTEST)
 
 test-unit: venv
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slurm"
+	$(PYTEST) -m "not slurm and not containers"
 
 test-slurm: venv
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m slurm
+	$(PYTEST) -m slurm
+
+test-images: venv
+	$(PYTEST) -m containers
+
+# The slower tier: also builds and checks every other image (Horovod compiles for ~10 min on 2 cores).
+test-images-all: venv
+	HPCML_TEST_IMAGES="$(IMAGES)" $(PYTEST) -m containers
+
+build-%:
+	$(IMAGE_TOOL) build $*
+
+build-all:
+	$(IMAGE_TOOL) build $(IMAGES)
+
+push-%:
+	$(IMAGE_TOOL) push $*
+
+pull-%:
+	$(IMAGE_TOOL) pull $*
+
+versions:
+	@test -n "$(IMAGE)" || { echo "usage: make versions IMAGE=ddp  (one of: $(IMAGES))"; exit 2; }
+	$(IMAGE_TOOL) versions $(IMAGE)
+
+base-rootfs:
+	$(IMAGE_TOOL) rootfs
+
+pin-cuda-bases:
+	$(IMAGE_TOOL) pin-cuda-bases
+
+hadolint: venv
+	$(VENV)/bin/hadolint containers/*/Containerfile
 
 shellcheck:
-	shellcheck -x slurm/*.sh slurm/lib/*.sh tests/cluster/*.sh .ci/run
+	shellcheck -x slurm/*.sh slurm/lib/*.sh tests/cluster/*.sh containers/*.sh .ci/run
 
 cluster-start:
 	bash tests/cluster/local_slurm.sh start

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,46 @@ def slurm_cluster() -> dict[str, str]:
     result = run(["bash", str(CLUSTER_SCRIPT), "start", str(CLUSTER_NODES)], timeout=600)
     assert result.returncode == 0, f"local Slurm cluster did not start:\n{result.stdout}\n{result.stderr}"
     return {"SLURM_CONF": str(CLUSTER_DIR / "etc" / "slurm.conf")}
+
+
+def container_env(**extra: str) -> dict[str, str]:
+    """recipe_env plus the podman settings containers/images.sh uses (runc, explicit ulimits) where it would."""
+    env = recipe_env(**extra)
+    if "CONTAINERS_CONF" not in env and shutil.which("runc"):
+        env["CONTAINERS_CONF"] = str(REPO / "containers" / "podman" / "containers.conf")
+    return env
+
+
+def sbatch_recipe(cluster: dict, tmp_path: Path, recipe: str, *options: str, recipe_args: list[str],
+                  **env: str) -> tuple[int, str, str]:
+    """Submit slurm/<recipe>.sh from the repository root and wait; returns (exit code, job state, log text).
+
+    Runtime "none" unless env says otherwise; the run directory is tmp_path/run. Judged by `sbatch --wait`'s
+    exit code and by the final state Slurm recorded (jobcomp), since `sbatch --wait` alone reports 0 for a
+    job cancelled before it ran.
+    """
+    run_env = container_env(**{**cluster, "CONTAINER_RUNTIME": "none", "RUN_DIR": str(tmp_path / "run"), **env})
+    result = run(["sbatch", "--wait", "--parsable", "-o", str(tmp_path / "%x-%j.out"), *options,
+                  str(REPO / "slurm" / f"{recipe}.sh"), *recipe_args], env=run_env, cwd=REPO, timeout=400)
+    job_id = result.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch did not submit:\n{result.stdout}\n{result.stderr}"
+    log = tmp_path / f"{recipe}-{job_id}.out"
+    return result.returncode, job_state(job_id), log.read_text() if log.exists() else ""
+
+
+def job_state(job_id: str) -> str:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        records = [line for line in (CLUSTER_DIR / "jobcomp.txt").read_text().splitlines()
+                   if line.startswith(f"JobId={job_id} ")]
+        if records:  # the last one: a requeued job has a record per run
+            return re.search(r"JobState=(\S+)", records[-1]).group(1)
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} never reached a final state in jobcomp.txt")
+
+
+def build_images(*images: str) -> None:
+    """Build the cpu flavor of the images (from cache when unchanged). A failed build fails the test."""
+    result = run(["bash", str(REPO / "containers" / "images.sh"), "build", *images],
+                 env=container_env(FLAVOR="cpu"), timeout=3600)
+    assert result.returncode == 0, f"image build failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"

@@ -7,7 +7,8 @@ import shutil
 from conftest import REPO, run
 
 SCRIPTS = sorted(
-    [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/lib/*.sh"), *REPO.glob("tests/**/*.sh"), REPO / ".ci" / "run"]
+    [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/lib/*.sh"), *REPO.glob("tests/**/*.sh"), *REPO.glob("containers/*.sh"),
+     REPO / ".ci" / "run"]
 )
 
 

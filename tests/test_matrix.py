@@ -1,0 +1,123 @@
+"""The container test matrix: every cell of tests/matrix.toml, run for real on the local Slurm cluster.
+
+A cell builds its cpu image (from cache when unchanged), submits slurm/<recipe>.sh unchanged with
+CONTAINER_RUNTIME=<runtime>, waits, and checks: the exit code and Slurm's final state; from inside the
+run, the world size, backend, wrapper, layout, hosts and the container (and interpreter) it ran in; the
+metrics JSON; and the loss of every step against one plain process on the same data and weights
+(relative 1e-5), so a job that silently trains on fewer ranks, or in the wrong environment, fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import shutil
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY, build_images, losses, read_metrics, recipe_env, run, sbatch_recipe
+
+pytestmark = [pytest.mark.slurm, pytest.mark.containers]
+MATRIX = REPO / "tests" / "matrix.toml"
+BASE_ARGS = [*TINY, "--max-steps", "4", "--checkpoint-every", "0"]
+LOSS_RTOL = 1e-5
+IMAGE_PYTHON = "/opt/venv/bin/python3"
+
+
+def load_cells() -> list[dict]:
+    cells = tomllib.loads(MATRIX.read_text())["cell"]
+    for cell in cells:
+        unknown = set(cell) - {"image", "recipe", "runtime", "nodes", "tasks_per_node", "layout", "args", "expect"}
+        assert not unknown, f"matrix.toml: unknown keys {unknown} in {cell}"
+        assert cell["expect"] in ("pass", "config-error"), cell
+        assert cell["runtime"] in ("podman", "none"), cell
+    return cells
+
+
+def cell_id(cell: dict) -> str:
+    return (f"{cell['image']}-{cell['recipe']}-{cell['runtime']}-{cell['nodes']}x{cell['tasks_per_node']}-"
+            f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else ""))
+
+
+CELLS = [cell for cell in load_cells() if (REPO / "recipes" / cell["recipe"] / "train.py").exists()]
+
+
+@pytest.fixture(scope="session")
+def matrix_images() -> set[str]:
+    """Every image a collected cell runs in, built once per session."""
+    images = sorted({cell["image"] for cell in CELLS if cell["runtime"] != "none"})
+    build_images(*images)
+    return set(images)
+
+
+@functools.cache
+def reference_losses(recipe: str, args: tuple[str, ...]) -> tuple[float, ...]:
+    """The recipe as one plain process on the host: the loss every parallel layout must reproduce."""
+    out_dir = Path(tempfile.mkdtemp(prefix=f"reference-{recipe}-"))
+    result = run([sys.executable, str(REPO / "recipes" / recipe / "train.py"), "--out-dir", str(out_dir), *args],
+                 env=recipe_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    reference = tuple(losses(read_metrics(out_dir)))
+    shutil.rmtree(out_dir)
+    return reference
+
+
+def parse_layout(layout: str) -> dict[str, int]:
+    return {key: int(value) for key, value in (part.split("=") for part in layout.split(","))}
+
+
+def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
+    """The table itself: every recipe that exists runs in its image and bare, and layouts multiply out."""
+    recipes = {path.parent.name for path in (REPO / "recipes").glob("*/train.py")}
+    for recipe in recipes:
+        runtimes = {c["runtime"] for c in CELLS if c["recipe"] == recipe and c["expect"] == "pass"}
+        assert runtimes == {"podman", "none"}, f"recipe {recipe}: passing cells for {runtimes} only"
+    for cell in CELLS:
+        assert math.prod(parse_layout(cell["layout"]).values()) == cell["nodes"] * cell["tasks_per_node"], cell
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[cell_id(c) for c in CELLS])
+def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
+    recipe, runtime = cell["recipe"], cell["runtime"]
+    args = [*BASE_ARGS, *cell["args"]]
+    env = {"CONTAINER_RUNTIME": runtime}
+    if runtime != "none":
+        env["CONTAINER_IMAGE"] = f"hpcml/{cell['image']}:cpu"
+    code, state, log = sbatch_recipe(slurm_cluster, tmp_path, recipe, "-N", str(cell["nodes"]),
+                                     "--ntasks-per-node", str(cell["tasks_per_node"]), recipe_args=args, **env)
+    assert f"launch: runtime={runtime} " in log, log
+
+    if cell["expect"] == "config-error":
+        assert code != 0 and state == "FAILED", log
+        errors = {line for line in log.splitlines() if line.startswith(f"[{recipe}] error:")}
+        assert len(errors) == 1, log  # one message (each rank may print it), and nothing else went wrong
+        assert "Traceback" not in log and not re.search(rf"^\[{recipe}\] step ", log, re.M), log
+        assert not (tmp_path / "run" / "metrics.json").exists()
+        return
+
+    assert (code, state) == (0, "COMPLETED"), log
+    world = cell["nodes"] * cell["tasks_per_node"]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    # From inside the run: it really was this parallel, in this environment.
+    assert metrics["world_size"] == world and metrics["backend"] == "gloo" and metrics["launcher"] == "srun"
+    assert metrics["layout"] == parse_layout(cell["layout"])
+    if world > 1:
+        assert metrics["model_wrapper"] == "DistributedDataParallel"
+    expected_hosts = [f"nid{node:06d}" for node in range(1, cell["nodes"] + 1) for _ in range(cell["tasks_per_node"])]
+    assert metrics["hostnames"] == expected_hosts
+    if runtime == "podman":
+        assert metrics["container"] == "podman" and metrics["python"] == IMAGE_PYTHON, metrics
+    else:
+        # (this test machine may itself be a container; what matters is that it is not the image)
+        assert metrics["container"] != "podman" and metrics["python"] != IMAGE_PYTHON, metrics
+    assert metrics["param_max_abs_diff_across_ranks"] == 0.0
+    assert [record["step"] for record in metrics["history"]] == [1, 2, 3, 4]
+
+    reference = reference_losses(recipe, tuple(args))
+    assert losses(metrics) == pytest.approx(list(reference), rel=LOSS_RTOL)

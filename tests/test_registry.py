@@ -1,0 +1,122 @@
+"""Registry round trip: a real registry on 127.0.0.1, `make push-ddp`, a fresh image store, `make pull-ddp`,
+and a matrix cell run under Slurm from the pulled image only.
+
+The registry is Debian's docker-registry (the CNCF distribution server) with a minimal no-auth config,
+started and stopped by the tests. The pulled image goes to a separate, empty podman store
+(CONTAINERS_STORAGE_CONF), so nothing of the locally built copy can stand in for it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY, build_images, container_env, free_port, run, sbatch_recipe
+
+pytestmark = [pytest.mark.containers, pytest.mark.slurm]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    assert shutil.which("docker-registry"), "docker-registry is not installed (apt-get install docker-registry; .ci/run does)"
+    root = tmp_path_factory.mktemp("registry")
+    port = free_port()
+    config = root / "config.yml"
+    config.write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {root}/data\n"
+                      f"http:\n  addr: 127.0.0.1:{port}\n")
+    server = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL,
+                              stderr=open(root / "registry.log", "w"))
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{address}/v2/", timeout=2) as response:
+                assert response.status == 200
+                break
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, (root / "registry.log").read_text()
+            time.sleep(0.3)
+    yield address
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def make(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return run(["make", "--no-print-directory", *args], env=container_env(**env), cwd=REPO, timeout=900)
+
+
+def tags(registry: str, repository: str) -> list[str]:
+    with urllib.request.urlopen(f"http://{registry}/v2/{repository}/tags/list", timeout=10) as response:
+        return sorted(json.load(response)["tags"])
+
+
+def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, tmp_path):
+    build_images("ddp")
+    pushed = make("push-ddp", REGISTRY=registry, TLS_VERIFY="false", ALLOW_DIRTY="1")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    immutable = pushed.stdout.strip().splitlines()[-1]
+    revision = immutable.rsplit(":cpu-", 1)[1]
+    assert tags(registry, "hpcml/ddp") == sorted(["cpu", f"cpu-{revision}"])
+
+    # An empty image store: only what comes from the registry is there.
+    store = tmp_path / "store"
+    storage_conf = tmp_path / "storage.conf"
+    storage_conf.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{store}/graph"\nrunroot = "{store}/run"\n')
+    fresh = {"CONTAINERS_STORAGE_CONF": str(storage_conf)}
+    try:
+        listed = run(["podman", "images", "--format", "{{.Repository}}"], env=container_env(**fresh))
+        assert listed.returncode == 0 and listed.stdout.strip() == "", listed.stdout + listed.stderr
+        pulled = make("pull-ddp", REGISTRY=registry, TLS_VERIFY="false", ENGINE="podman", **fresh)
+        assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+        reference = f"{registry}/hpcml/ddp:cpu"
+        ids = [json.loads(run(["podman", "image", "inspect", image], env=container_env(**env)).stdout)[0]["Id"]
+               for image, env in ((reference, fresh), ("hpcml/ddp:cpu", {}))]
+        assert ids[0] == ids[1], "the pulled image differs from the one pushed"
+
+        code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "ddp", "-N", "2", "--ntasks-per-node", "1",
+                                         recipe_args=[*TINY, "--max-steps", "3", "--global-batch", "4", "--checkpoint-every", "0"],
+                                         CONTAINER_RUNTIME="podman", CONTAINER_IMAGE=reference, **fresh)
+        assert (code, state) == (0, "COMPLETED"), log
+        assert f"image={reference}" in log
+        metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+        assert metrics["world_size"] == 2 and metrics["container"] == "podman"
+    finally:
+        run(["podman", "rmi", "--all", "--force"], env=container_env(**fresh), timeout=120)
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def test_an_immutable_tag_is_never_overwritten(registry, tmp_path):
+    """Two different images with the same revision label: the second push of that tag is refused."""
+    build_images("base")  # the smallest image with everything a push needs
+    repo = "hpcml-immutable-test"
+    for content in ("first", "second"):
+        (tmp_path / "Containerfile").write_text(
+            f"FROM localhost/hpcml/base:cpu\nLABEL org.opencontainers.image.revision=0123abcd content={content}\n")
+        built = run(["podman", "build", "-q", "-t", f"{repo}/ddp:cpu", str(tmp_path)], env=container_env(), timeout=300)
+        assert built.returncode == 0, built.stderr
+        result = make("push-ddp", REGISTRY=registry, TLS_VERIFY="false", IMAGE_REPO=repo)
+        if content == "first":
+            assert result.returncode == 0, result.stdout + result.stderr
+        else:
+            assert result.returncode != 0
+            assert "already exists in the registry and is a different image" in result.stderr, result.stderr
+    assert tags(registry, f"{repo}/ddp") == ["cpu", "cpu-0123abcd"]
+    run(["podman", "rmi", "--force", f"{repo}/ddp:cpu"], env=container_env())
+
+
+def test_a_dirty_image_is_not_pushed_without_allow_dirty(registry, tmp_path):
+    (tmp_path / "Containerfile").write_text(
+        "FROM localhost/hpcml/base:cpu\nLABEL org.opencontainers.image.revision=0123abcd-dirty\n")
+    repo = "hpcml-dirty-test"
+    build_images("base")
+    built = run(["podman", "build", "-q", "-t", f"{repo}/ddp:cpu", str(tmp_path)], env=container_env(), timeout=300)
+    assert built.returncode == 0, built.stderr
+    result = make("push-ddp", REGISTRY=registry, TLS_VERIFY="false", IMAGE_REPO=repo)
+    assert result.returncode != 0 and "built from uncommitted changes (0123abcd-dirty)" in result.stderr, result.stderr
+    run(["podman", "rmi", "--force", f"{repo}/ddp:cpu"], env=container_env())
