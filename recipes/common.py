@@ -12,13 +12,16 @@ Recipes put ``recipes/`` on ``sys.path`` and ``import common``; the file has no 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +37,44 @@ def exit_on_config_error(recipe: str, error: ConfigError) -> None:
     """One line on stderr, exit code 2: what users see instead of a stack trace."""
     print(f"[{recipe}] error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; a ``--config FILE.toml`` gives defaults that the command line overrides.
+
+    Keys are the option names without '--' (dashes or underscores). An unknown key, a value of the wrong
+    type or a file that is not TOML is a ConfigError naming the file and the key.
+    """
+    args = parser.parse_args(argv)
+    path = getattr(args, "config", None)
+    if path is None:
+        return args
+    try:
+        values = tomllib.loads(Path(path).read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read --config {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"--config {path} is not valid TOML: {error}") from None
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config", "preflight")}
+    defaults = {}
+    for key, value in values.items():
+        dest = key.replace("-", "_")
+        if dest not in actions:
+            known = ", ".join(sorted(name.replace("_", "-") for name in actions))
+            raise ConfigError(f"unknown option '{key}' in --config {path}; known: {known}")
+        action = actions[dest]
+        flag = isinstance(action, argparse._StoreTrueAction)
+        wanted = bool if flag else (action.type or str)
+        acceptable = {bool: (bool,), int: (int,), float: (int, float)}.get(wanted, (str,))
+        if not isinstance(value, acceptable) or (isinstance(value, bool) and wanted is not bool):
+            raise ConfigError(f"'{key}' in --config {path} must be {'true/false' if flag else wanted.__name__}, "
+                              f"got {value!r}")
+        value = value if flag else wanted(value)
+        if action.choices and value not in action.choices:
+            raise ConfigError(f"'{key}' in --config {path} must be one of {list(action.choices)}, got {value!r}")
+        defaults[dest] = value
+    parser.set_defaults(**defaults)
+    return parser.parse_args(argv)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,6 +186,61 @@ def setup_torch_distributed(env: DistEnv, timeout_s: float) -> tuple[torch.devic
         if dist.get_world_size() != env.world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {env.world_size}")
     return device, backend
+
+
+def exit_on_collective_failure(recipe: str, error: Exception) -> None:
+    """One line naming this rank and host when a collective fails or times out, then exit 4.
+
+    Every surviving rank says it; srun (--kill-on-bad-exit) then ends the job. The rank that really failed
+    is the one that died (srun names it), or the one that is missing from these lines.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"[{recipe}] error: rank {rank} on {socket.gethostname()}: a collective failed ({first_line[:200]}): "
+          "another rank died, hung or was stopped; the job ends here", file=sys.stderr, flush=True)
+    sys.exit(4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Time limits and preemption
+
+# The sbatch files ask Slurm for SIGUSR1 shortly before the time limit (--signal=USR1@T). A recipe that
+# gets it finishes its step, checkpoints, writes OUT_DIR/STOP_MARKER ("SIGUSR1 after step N") and exits 0
+# (a non-zero exit would make srun kill the ranks still finishing); slurm/lib/launch.sh then requeues
+# the job, and the requeued run resumes from the checkpoint.
+STOP_MARKER = "stopped_by_signal"
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class StopRequest:
+    """SIGUSR1 (time limit ahead) or SIGTERM (preemption, scancel): stop after the current step.
+
+    Signals reach the ranks at slightly different moments, so the ranks agree on when to stop: after each
+    step every rank contributes what it received and all stop at the same step.
+    """
+
+    def __init__(self, recipe: str, rank: int):
+        self.recipe, self.rank, self.received = recipe, rank, 0
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if not self.received:
+            print(f"[{self.recipe}] rank {self.rank}: {signal.Signals(signum).name} received: "
+                  "checkpointing after this step, then exiting", file=sys.stderr, flush=True)
+        self.received = max(self.received, int(signum))
+
+    def agreed(self, world_size: int, device: torch.device) -> int:
+        """The signal any rank received (0: none); the same answer on every rank."""
+        if world_size == 1:
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    @staticmethod
+    def write_marker(out_dir: Path, signum: int, step: int) -> None:
+        atomic_write_bytes(Path(out_dir) / STOP_MARKER, f"{signal.Signals(signum).name} after step {step}\n".encode())
 
 
 def all_hostnames(world_size: int) -> list[str]:
@@ -340,10 +436,32 @@ def _atomic_write(path: Path, write) -> None:
         os.close(directory)
 
 
+# Tests only: kill this process (SIGKILL) halfway through writing the checkpoint of this step, to show that
+# a crash mid-write leaves the previous checkpoint as the one resume uses (tests/test_reliability.py).
+CRASH_DURING_CHECKPOINT_ENV = "HPCML_TEST_CRASH_DURING_CHECKPOINT"
+
+
 def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
-    """Atomically write ``step_XXXXXXXX.pt`` and delete all but the newest ``keep`` checkpoints."""
-    path = Path(directory) / f"step_{step:08d}.pt"
-    _atomic_write(path, lambda f: torch.save(state, f))
+    """Atomically write ``step_XXXXXXXX.pt`` and delete all but the newest ``keep`` checkpoints.
+
+    Temporary files left by a write that crashed are removed here; they are never read.
+    """
+    directory = Path(directory)
+    path = directory / f"step_{step:08d}.pt"
+    if directory.is_dir():
+        for stale in directory.glob(".step_*.pt.tmp.*"):
+            stale.unlink(missing_ok=True)
+    if os.environ.get(CRASH_DURING_CHECKPOINT_ENV) == str(step):
+        def write(f):
+            torch.save(state, f)
+            f.truncate(f.tell() // 2)
+            f.flush()
+            os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        def write(f):
+            torch.save(state, f)
+    _atomic_write(path, write)
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return path

@@ -9,6 +9,11 @@
 # Before the first run, publish the image and let Shifter fetch it: `make push-ddp REGISTRY=...`, then
 # `shifterimg pull docker:<registry>/hpcml/ddp:cuda`, and put that name in the --image line below.
 # Runtime, image and NCCL variables are documented in slurm/lib/launch.sh.
+#
+# Time limit and preemption: Slurm sends SIGUSR1 120 s before the limit; the recipe finishes its step,
+# checkpoints and stops, and the job requeues itself (same job id, same run directory) and resumes.
+# On preemption (SIGTERM) it checkpoints too, and Slurm requeues it (--requeue). The log is appended to.
+# Check a submission without spending an allocation:  slurm/preflight.sh slurm/ddp.sh [recipe args]
 #SBATCH -J ddp
 #SBATCH -C gpu
 #SBATCH -N 2
@@ -17,6 +22,9 @@
 #SBATCH --cpus-per-task=32
 #SBATCH -t 00:30:00
 #SBATCH -o %x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
 #SBATCH --image=docker:hpcml/ddp:cuda
 #SBATCH --module=gpu,nccl-plugin
 

@@ -97,3 +97,23 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert latest.name == "step_00000030.pt"  # the half-written step 40 is never picked
     assert torch.load(latest)["step"] == 30
     assert any(p.name.startswith(".step_00000040.pt.tmp") for p in tmp_path.iterdir())
+
+
+def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--out-dir", type=Path, default=Path("runs"))
+    parser.add_argument("--no-resume", action="store_true")
+    parser.add_argument("--config", type=Path)
+    config = tmp_path / "run.toml"
+    config.write_text('max-steps = 50\nlr = 1\nout_dir = "elsewhere"\nno-resume = true\n')
+    args = common.parse_args_with_config(parser, ["--config", str(config), "--max-steps", "7"])
+    assert (args.max_steps, args.lr, args.out_dir, args.no_resume) == (7, 1.0, Path("elsewhere"), True)
+    config.write_text("no-resume = 1\n")
+    with pytest.raises(common.ConfigError, match="'no-resume' in --config .* must be true/false, got 1"):
+        common.parse_args_with_config(parser, ["--config", str(config)])
+    with pytest.raises(common.ConfigError, match="cannot read --config .*missing.toml"):
+        common.parse_args_with_config(parser, ["--config", str(tmp_path / "missing.toml")])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -64,43 +65,70 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="process-group timeout: a collective that waits longer fails the job")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per device for MFU (default: data sheet on GPU, measured matmul on CPU)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="a TOML file of these options (keys as here, without '--'); the command line wins")
+    p.add_argument("--preflight", type=int, default=None, metavar="WORLD_SIZE",
+                   help="only check the options (and a checkpoint to resume) for this many ranks, then exit")
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: skip DDP's gradient averaging (the parity check's negative control)")
-    return p.parse_args(argv)
+    return common.parse_args_with_config(p, argv)
 
 
-def validate(args: argparse.Namespace, env: common.DistEnv) -> None:
+def validate(args: argparse.Namespace, world_size: int) -> None:
     """Everything that can be checked before ranks start talking to each other."""
-    for name in ("global_batch", "max_steps", "seq_len", "vocab_size", "n_layer", "n_head", "n_embd"):
+    for name in ("global_batch", "max_steps", "seq_len", "vocab_size", "n_layer", "n_head", "n_embd", "log_every"):
         if getattr(args, name) < 1:
             raise common.ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.global_batch % env.world_size:
-        nearest = -(-args.global_batch // env.world_size) * env.world_size  # the next multiple up
+    for name in ("lr", "timeout_s"):
+        if not getattr(args, name) > 0:
+            raise common.ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.checkpoint_every < 0:
+        raise common.ConfigError(f"--checkpoint-every must be 0 (only at the end) or more, got {args.checkpoint_every}")
+    if args.global_batch % world_size:
+        nearest = -(-args.global_batch // world_size) * world_size  # the next multiple up
         raise common.ConfigError(
-            f"--global-batch {args.global_batch} is not divisible by the world size {env.world_size}; "
-            f"use a multiple of {env.world_size} (e.g. --global-batch {nearest})"
+            f"--global-batch {args.global_batch} is not divisible by the world size {world_size}; "
+            f"use a multiple of {world_size} (e.g. --global-batch {nearest})"
         )
     if args.n_embd % args.n_head:
         raise common.ConfigError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
         raise common.ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
-    if args.skip_grad_allreduce and env.world_size == 1:
+    if args.skip_grad_allreduce and world_size == 1:
         raise common.ConfigError("--skip-grad-allreduce only means something with more than one rank")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    env = common.detect_dist_env()
-    validate(args, env)
-    checkpoint_dir = args.out_dir / "checkpoints"
-    resume_from = None if args.no_resume else common.latest_checkpoint(checkpoint_dir)
-    checkpoint = torch.load(resume_from, map_location="cpu", weights_only=True) if resume_from else None
-    model_cfg = GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd)
-    if checkpoint and (checkpoint["model_cfg"] != asdict(model_cfg) or checkpoint["global_batch"] != args.global_batch):
+def load_resume_checkpoint(args: argparse.Namespace, model_cfg: GPTConfig) -> tuple[Path | None, dict | None]:
+    """The newest checkpoint in --out-dir, if it was written by the same model and batch."""
+    resume_from = None if args.no_resume else common.latest_checkpoint(args.out_dir / "checkpoints")
+    if resume_from is None:
+        return None, None
+    try:
+        checkpoint = torch.load(resume_from, map_location="cpu", weights_only=True)
+    except Exception as error:  # a file we did not write (our own writes are atomic)
+        raise common.ConfigError(f"cannot read the checkpoint {resume_from} ({type(error).__name__}): "
+                                 "move it away, or use --no-resume") from None
+    if checkpoint["model_cfg"] != asdict(model_cfg) or checkpoint["global_batch"] != args.global_batch:
         raise common.ConfigError(
             f"{resume_from} was written with {checkpoint['model_cfg']} and --global-batch "
             f"{checkpoint['global_batch']}; use the same settings, a new --out-dir, or --no-resume"
         )
+    return resume_from, checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_cfg = GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd)
+    if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
+        validate(args, args.preflight)
+        resume_from, _ = load_resume_checkpoint(args, model_cfg)
+        print(f"[{RECIPE}] preflight: options fit world size {args.preflight}"
+              + (f"; will resume from {resume_from}" if resume_from else ""), flush=True)
+        return 0
+    env = common.detect_dist_env()
+    validate(args, env.world_size)
+    checkpoint_dir = args.out_dir / "checkpoints"
+    resume_from, checkpoint = load_resume_checkpoint(args, model_cfg)
 
     # ---- rank, device, backend
     device, backend = common.setup_torch_distributed(env, args.timeout_s)
@@ -157,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             metrics.write()
 
     # ---- training loop
+    if is_rank0:
+        (args.out_dir / common.STOP_MARKER).unlink(missing_ok=True)  # from an earlier, stopped run
+    stop = common.StopRequest(RECIPE, env.rank)  # SIGUSR1 before the time limit, SIGTERM on preemption
+    stopped_by = 0
     model.train()
     last_step = start_step
     for step in range(start_step + 1, args.max_steps + 1):
@@ -174,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         last_step = step
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             save(step)
-        if step == args.stop_at_step:
+        stopped_by = stop.agreed(env.world_size, device)
+        if step == args.stop_at_step or stopped_by:
             break
     if last_step > start_step and not (args.checkpoint_every and last_step % args.checkpoint_every == 0):
         save(last_step)
@@ -182,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     # ---- prove from inside the run that the ranks really trained one model together
     spread = common.max_difference_across_ranks(list(raw_model.parameters()), env.world_size)
     metrics.write({"param_max_abs_diff_across_ranks": spread, "last_step": last_step,
-                   "stopped_early": last_step < args.max_steps})
+                   "stopped_early": last_step < args.max_steps,
+                   "stopped_by_signal": signal.Signals(stopped_by).name if stopped_by else None})
     if is_rank0:
         s = metrics.summary()
         print(f"[{RECIPE}] done: step {last_step}/{args.max_steps}, final loss {s['final_loss']:.4f}, "
@@ -201,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{RECIPE}] error: parameters differ across ranks by up to {spread:.3g}: "
               "gradients were not synchronised", file=sys.stderr, flush=True)
         return 3
+    if stopped_by and is_rank0:
+        common.StopRequest.write_marker(args.out_dir, stopped_by, last_step)
+        print(f"[{RECIPE}] stopped by {signal.Signals(stopped_by).name} after step {last_step}: checkpoint written; "
+              "run again with the same --out-dir to continue (slurm/ files requeue the job themselves)", flush=True)
     return 0
 
 
@@ -209,3 +247,7 @@ if __name__ == "__main__":
         sys.exit(main())
     except common.ConfigError as error:
         common.exit_on_config_error(RECIPE, error)
+    except RuntimeError as error:  # torch's DistBackendError included
+        if dist.is_available() and dist.is_initialized():
+            common.exit_on_collective_failure(RECIPE, error)
+        raise

@@ -86,6 +86,8 @@ export_network_settings() {
     if [[ -z ${NCCL_NET+set} ]]; then export NCCL_NET="AWS Libfabric"; fi
     [[ -n $NCCL_NET ]] || unset NCCL_NET
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    # A failed or timed-out NCCL collective aborts the rank (and srun then the job) instead of hanging.
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 }
 
 # True when directory $1 is one of the others or inside one of them.
@@ -98,12 +100,12 @@ is_inside() {
     return 1
 }
 
-# Fills the array named by $1 with the srun command that starts every rank.
+# Fills the array named by $1 with the command that runs "$@" in the runtime (srun goes in front of it).
 build_command() {
     local -n cmd=$1
     local runtime=$2 image=$3
     shift 3
-    cmd=(srun -u --kill-on-bad-exit=1)
+    cmd=()
     case $runtime in
     none) ;;
     shifter)
@@ -140,17 +142,70 @@ build_command() {
         # Prefixes: podman reads the matching variables from each task's own environment when its
         # container starts, so every rank gets its own SLURM_PROCID and the step's SLURM_STEP_* (which the
         # batch script, where this command is built, does not have).
-        cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'FI_*' -e OMP_NUM_THREADS -e PYTHONUNBUFFERED)
+        cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'TORCH_NCCL_*' -e 'FI_*' -e OMP_NUM_THREADS -e PYTHONUNBUFFERED)
         cmd+=("$image")
         ;;
     esac
     cmd+=("${PYTHON:-python3}" "$@")
 }
 
+# One line per check, before any rank starts: the allocation, the network plugin, the directories.
+check_allocation() {
+    local runtime=$1
+    if [[ -n ${MASTER_PORT:-} ]] && ! [[ $MASTER_PORT =~ ^[0-9]+$ && $MASTER_PORT -ge 1024 && $MASTER_PORT -le 65535 ]]; then
+        launch_error "MASTER_PORT=$MASTER_PORT is not a port number between 1024 and 65535: unset it (one is derived from the job id)"
+    fi
+    # One rank per GPU: more tasks than GPUs on a node would share devices (or fail in NCCL much later).
+    local gpus=${SLURM_GPUS_PER_NODE:-} tasks=${SLURM_TASKS_PER_NODE:-}
+    tasks=${SLURM_NTASKS_PER_NODE:-${tasks%%[(,]*}} # "4(x2)" or "4,2": the first node's count
+    gpus=${gpus##*:}
+    if [[ $gpus =~ ^[0-9]+$ && $tasks =~ ^[0-9]+$ ]] && ((gpus > 0 && tasks > gpus)); then
+        launch_error "$tasks tasks per node but $gpus GPUs per node: one rank per GPU;" \
+            "use --ntasks-per-node=$gpus (or ask for --gpus-per-node=$tasks)"
+    fi
+    # NCCL_NET names the Slingshot plugin: make sure the job can load it, instead of failing in NCCL.
+    if [[ -n ${NCCL_NET:-} && ($gpus =~ ^[1-9] || -n ${SLURM_GPUS_ON_NODE:-}) ]]; then
+        case $runtime in
+        shifter)
+            [[ ,${SLURM_SPANK_SHIFTER_MODULE:-}, == *,nccl-plugin,* ]] || launch_error \
+                "NCCL_NET='$NCCL_NET' needs Shifter's nccl-plugin module: add '#SBATCH --module=gpu,nccl-plugin'" \
+                "(or set NCCL_NET= to let NCCL use TCP)"
+            ;;
+        none)
+            if command -v nvidia-smi >/dev/null 2>&1 && ! find_on_library_path 'libnccl-net*.so*'; then
+                launch_error "NCCL_NET='$NCCL_NET' but no libnccl-net*.so on LD_LIBRARY_PATH:" \
+                    "module load nccl-plugin (Perlmutter) or set NCCL_NET= to let NCCL use TCP"
+            fi
+            ;;
+        esac
+    fi
+    local dir
+    for dir in ${CONTAINER_MOUNTS:-}; do
+        [[ $dir == /* && -d $dir ]] || launch_error "CONTAINER_MOUNTS: '$dir' is not an existing absolute directory"
+    done
+}
+
+find_on_library_path() {
+    local dir
+    for dir in ${LD_LIBRARY_PATH//:/ }; do
+        compgen -G "$dir/$1" >/dev/null && return 0
+    done
+    return 1
+}
+
+# The recipe checks its own options for this world size (and the checkpoint it would resume), in the
+# runtime, on the batch node: seconds, instead of every rank failing after start-up.
+recipe_preflight() {
+    local -a check
+    build_command check "$1" "$2" "$REPO_DIR/$3" "${@:4}" --preflight "${SLURM_NTASKS:-1}"
+    "${check[@]}"
+}
+
 launch_recipe() {
     local recipe=$1
     shift
-    [[ -n ${SLURM_JOB_ID:-} ]] || launch_error "not inside a Slurm job: submit with 'sbatch slurm/<recipe>.sh'"
+    [[ -n ${SLURM_JOB_ID:-} ]] || launch_error "not inside a Slurm job: submit with 'sbatch slurm/<recipe>.sh'" \
+        "(or check it first: slurm/preflight.sh slurm/<recipe>.sh)"
     REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
     [[ -f $REPO_DIR/$recipe ]] || launch_error "$REPO_DIR/$recipe not found: submit from the repository root" \
         "(cd path/to/repo && sbatch slurm/...) or set REPO_DIR"
@@ -158,16 +213,16 @@ launch_recipe() {
     local runtime image
     runtime=$(choose_runtime) || exit 2
     image=$(choose_image "$runtime") || exit 2
+    export_network_settings
+    check_allocation "$runtime"
+    local created_run_dir=0
     if [[ -n ${RUN_DIR:-} ]]; then
         [[ $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
+        [[ -d $RUN_DIR ]] || created_run_dir=1
         if [[ ${LAUNCH_DRY_RUN:-0} != 1 ]] && ! { mkdir -p "$RUN_DIR" 2>/dev/null && [[ -w $RUN_DIR ]]; }; then
             launch_error "cannot write to the run directory RUN_DIR=$RUN_DIR: choose one you own (e.g. under \$SCRATCH)"
         fi
     fi
-    local dir
-    for dir in ${CONTAINER_MOUNTS:-}; do
-        [[ $dir == /* && -d $dir ]] || launch_error "CONTAINER_MOUNTS: '$dir' is not an existing absolute directory"
-    done
 
     MASTER_ADDR=${MASTER_ADDR:-$(first_node)}
     [[ -n $MASTER_ADDR ]] || launch_error "cannot tell the first node of the job (SLURM_JOB_NODELIST is empty): set MASTER_ADDR"
@@ -175,18 +230,56 @@ launch_recipe() {
     export MASTER_ADDR MASTER_PORT
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     export PYTHONUNBUFFERED=1
-    export_network_settings
 
     local -a command
     build_command command "$runtime" "$image" "$REPO_DIR/$recipe" "$@"
+    command=(srun -u --kill-on-bad-exit=1 "${command[@]}")
 
-    # What ran, at the top of every job log.
-    echo "launch: job ${SLURM_JOB_ID} on ${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)"
+    # What ran, at the top of every job log (a requeued job appends to the same log).
+    echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)"
     echo "launch: runtime=$runtime image=${image:-(none)} master=$MASTER_ADDR:$MASTER_PORT commit=$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME FI_MR_CACHE_MONITOR=$FI_MR_CACHE_MONITOR"
     echo "launch: $(printf '%q ' "${command[@]}")"
     if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then
         return 0
     fi
-    "${command[@]}"
+    if [[ ${LAUNCH_PREFLIGHT:-1} == 1 ]]; then
+        if ! recipe_preflight "$runtime" "$image" "$recipe" "$@"; then
+            # The recipe's own line above says what to change; leave nothing behind.
+            ((created_run_dir)) && rmdir "$RUN_DIR" 2>/dev/null
+            exit 2
+        fi
+    fi
+    if [[ ${LAUNCH_PREFLIGHT_ONLY:-0} == 1 ]]; then
+        ((created_run_dir)) && rmdir "$RUN_DIR" 2>/dev/null
+        echo "launch: preflight passed: runtime, image, allocation, directories and recipe options are fine"
+        return 0
+    fi
+
+    local status=0
+    "${command[@]}" || status=$?
+    if ((status == 0)) && [[ -n ${RUN_DIR:-} && -f $RUN_DIR/stopped_by_signal ]]; then
+        if [[ $(<"$RUN_DIR/stopped_by_signal") == SIGUSR1* ]]; then
+            rm -f "$RUN_DIR/stopped_by_signal"
+            requeue_job
+        fi
+    elif ((status != 0)); then
+        echo "launch: error: the job step failed with exit code $status; the first 'srun: error: <node>: task <rank>'" \
+            "line above names the rank that failed first" >&2
+    fi
+    return "$status"
+}
+
+# The recipe checkpointed at Slurm's time-limit warning (SIGUSR1, '#SBATCH --signal=USR1@…') and left
+# RUN_DIR/stopped_by_signal: put the job back in the queue. It restarts with the same job id, so the same
+# RUN_DIR, and resumes from that checkpoint. (On SIGTERM, preemption, Slurm requeues it itself.)
+requeue_job() {
+    local restarts=${SLURM_RESTART_COUNT:-0} limit=${LAUNCH_MAX_REQUEUES:-10}
+    if ((restarts >= limit)); then
+        echo "launch: error: job $SLURM_JOB_ID was requeued $restarts times (LAUNCH_MAX_REQUEUES=$limit): not again;" \
+            "resubmit it, or raise the time limit" >&2
+        return
+    fi
+    echo "launch: checkpoint written before the time limit: requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))"
+    scontrol requeue "$SLURM_JOB_ID" || echo "launch: error: scontrol requeue failed: resubmit the job to continue" >&2
 }

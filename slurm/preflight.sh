@@ -1,0 +1,55 @@
+#!/bin/bash
+# Check a submission in seconds, before it spends an allocation: the checks every sbatch file runs before
+# starting ranks (runtime, image, layout against the allocation, NCCL plugin, directories, the recipe's
+# own options and the checkpoint it would resume), for the layout of the file's #SBATCH lines.
+#
+#   slurm/preflight.sh slurm/ddp.sh                              # as '#SBATCH -N/--ntasks-per-node/...' say
+#   slurm/preflight.sh -N 4 -n 4 slurm/ddp.sh --global-batch 96  # nodes, tasks per node (and -g GPUs per node)
+#   CONTAINER_RUNTIME=podman-hpc slurm/preflight.sh slurm/ddp.sh
+#
+# Run it from the repository root, with the environment you would submit with. Exit 0: the job would
+# start its ranks; exit 2: one line says what to change.
+set -euo pipefail
+
+usage() {
+    sed -n '2,9s/^# \{0,1\}//p' "$0" >&2
+    exit 2
+}
+
+nodes="" tasks="" gpus=""
+while getopts "N:n:g:h" option; do
+    case $option in
+    N) nodes=$OPTARG ;;
+    n) tasks=$OPTARG ;;
+    g) gpus=$OPTARG ;;
+    *) usage ;;
+    esac
+done
+shift $((OPTIND - 1))
+(($#)) || usage
+sbatch_file=$1
+shift
+[[ -f $sbatch_file ]] || { echo "preflight: error: $sbatch_file not found" >&2; exit 2; }
+
+# The file's own #SBATCH lines give what the command line does not.
+directive() {
+    sed -n "s/^#SBATCH[[:space:]]\{1,\}$1[= ]\([^[:space:]]*\).*/\1/p" "$sbatch_file" | tail -n 1
+}
+nodes=${nodes:-$(directive '-N')}
+nodes=${nodes:-$(directive '--nodes')}
+tasks=${tasks:-$(directive '--ntasks-per-node')}
+gpus=${gpus:-$(directive '--gpus-per-node')}
+nodes=${nodes:-1} tasks=${tasks:-1}
+for value in "$nodes" "$tasks" ${gpus:+"$gpus"}; do
+    [[ $value =~ ^[1-9][0-9]*$ ]] || { echo "preflight: error: '$value' is not a positive count (-N, -n, -g)" >&2; exit 2; }
+done
+
+# What Slurm would give the batch script (job id 0 marks the check), then the sbatch file itself.
+export SLURM_JOB_ID=0 SLURM_SUBMIT_DIR=$PWD SLURM_JOB_NUM_NODES=$nodes SLURM_NNODES=$nodes
+export SLURM_NTASKS=$((nodes * tasks)) SLURM_NTASKS_PER_NODE=$tasks SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-$(hostname)}
+[[ -z $gpus ]] || export SLURM_GPUS_PER_NODE=$gpus
+image=$(directive '--image') module=$(directive '--module')
+[[ -z $image ]] || export SLURM_SPANK_SHIFTER_IMAGE=${image#docker:}
+[[ -z $module ]] || export SLURM_SPANK_SHIFTER_MODULE=$module
+echo "preflight: $sbatch_file on $nodes node(s) x $tasks task(s)${gpus:+, $gpus GPU(s) per node}"
+LAUNCH_PREFLIGHT_ONLY=1 exec bash "$sbatch_file" "$@"

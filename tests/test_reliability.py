@@ -1,0 +1,207 @@
+"""Reliability on the local Slurm cluster, with real processes and real signals.
+
+- a rank killed (SIGKILL) mid-training ends the job, non-zero, within 60 s, and the log names the rank;
+- a rank stopped (SIGSTOP) ends the job within the process-group timeout, not at the wall-clock limit;
+- Slurm's time-limit warning (SIGUSR1 to the job's tasks, as '#SBATCH --signal=USR1@T' sends it):
+  the ranks checkpoint and stop, the job requeues itself, the requeued run resumes, and its losses
+  equal an uninterrupted run's;
+- a crash in the middle of writing a checkpoint leaves the previous one, and resume uses it;
+- bad input (at least 10 kinds) is refused before any rank starts, with one line, leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, losses, read_metrics, recipe_env, run, run_single,
+                      sbatch_recipe)
+
+pytestmark = pytest.mark.slurm
+
+# Long enough to be signalled in the middle (about 10 ms per step here), short enough to finish quickly.
+LONG_RUN = [*TINY, "--global-batch", "8", "--max-steps", "400", "--checkpoint-every", "0", "--log-every", "10"]
+
+
+def submit(cluster: dict, tmp_path: Path, *options: str, recipe_args: list[str], **env: str) -> str:
+    """sbatch slurm/ddp.sh without waiting; returns the job id."""
+    run_env = recipe_env(**{**cluster, "CONTAINER_RUNTIME": "none", "RUN_DIR": str(tmp_path / "run"), **env})
+    result = run(["sbatch", "--parsable", "-o", str(tmp_path / "%x-%j.out"), *options, str(REPO / "slurm" / "ddp.sh"),
+                  *recipe_args], env=run_env, cwd=REPO, timeout=60)
+    job_id = result.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), result.stdout + result.stderr
+    return job_id
+
+
+def log_of(tmp_path: Path, job_id: str) -> str:
+    log = tmp_path / f"ddp-{job_id}.out"
+    return log.read_text() if log.exists() else ""
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def final_state(job_id: str) -> str | None:
+    """The job's last record in the job-completion log once it has ended for good (None before)."""
+    records = [line for line in (CLUSTER_DIR / "jobcomp.txt").read_text().splitlines() if line.startswith(f"JobId={job_id} ")]
+    if not records:
+        return None
+    state = re.search(r"JobState=(\S+)", records[-1]).group(1)
+    return None if state in ("PENDING", "REQUEUED") else state
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The PID of a rank of the job writing to run_dir, found through its environment."""
+    for pid in subprocess.run(["pgrep", "-f", f"train.py --out-dir {run_dir}"], capture_output=True, text=True).stdout.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_PROCID={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def started_training(tmp_path: Path, job_id: str) -> bool:
+    return bool(re.search(r"^\[ddp\] step +10 ", log_of(tmp_path, job_id), re.M))
+
+
+def test_killed_rank_ends_the_job_promptly_and_is_named(slurm_cluster, tmp_path):
+    job = submit(slurm_cluster, tmp_path, "-N", "2", "--ntasks-per-node", "1",
+                 recipe_args=[*LONG_RUN, "--max-steps", "100000"])
+    wait_for(lambda: started_training(tmp_path, job), 120, "training to start")
+    pid = wait_for(lambda: rank_pid(tmp_path / "run", 1), 30, "rank 1's process")
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    state = wait_for(lambda: final_state(job), 60, "the job to end after a rank was killed")
+    elapsed = time.monotonic() - killed_at
+    log = log_of(tmp_path, job)
+    assert state == "FAILED" and elapsed <= 60, (state, elapsed, log)
+    assert re.search(r"srun: error: nid000002: task 1: Killed", log), log
+    assert "launch: error: the job step failed with exit code" in log
+
+
+def test_stopped_rank_ends_the_job_within_the_collective_timeout(slurm_cluster, tmp_path):
+    timeout_s = 15
+    job = submit(slurm_cluster, tmp_path, "-N", "2", "--ntasks-per-node", "1",
+                 recipe_args=[*LONG_RUN, "--max-steps", "100000", "--timeout-s", str(timeout_s)])
+    wait_for(lambda: started_training(tmp_path, job), 120, "training to start")
+    pid = wait_for(lambda: rank_pid(tmp_path / "run", 1), 30, "rank 1's process")
+    stopped_at = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # The timeout, plus Slurm's KillWait (5 s here) and a margin for this 2-core machine.
+        state = wait_for(lambda: final_state(job), timeout_s + 30, "the job to end after a rank was stopped")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    elapsed = time.monotonic() - stopped_at
+    log = log_of(tmp_path, job)
+    assert state == "FAILED" and elapsed >= timeout_s - 1, (state, elapsed, log)
+    assert "[ddp] error: rank 0 on nid000001: a collective failed" in log, log
+    assert "another rank died, hung or was stopped" in log
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes_on_the_same_curve(slurm_cluster, tmp_path):
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    code, state, log = sbatch_recipe(slurm_cluster, reference_dir, "ddp", "-N", "2", "--ntasks-per-node", "1",
+                                     recipe_args=LONG_RUN)
+    assert (code, state) == (0, "COMPLETED"), log
+
+    job = submit(slurm_cluster, tmp_path, "-N", "2", "--ntasks-per-node", "1", recipe_args=LONG_RUN)
+    wait_for(lambda: started_training(tmp_path, job), 120, "training to start")
+    # What '#SBATCH --signal=USR1@120' does before the time limit: SIGUSR1 to every task of the job's steps.
+    assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
+    wait_for(lambda: "requeueing job" in log_of(tmp_path, job), 60, "the job to requeue itself")
+    # Slurm holds a requeued job for about 2 minutes before it starts again (starting it sooner fails with
+    # "Job credential revoked" on the nodes), so this test waits that long.
+    state = wait_for(lambda: final_state(job), 300, "the requeued job to finish", interval=1)
+    log = log_of(tmp_path, job)
+    assert state == "COMPLETED", log
+
+    stopped = re.search(r"\[ddp\] stopped by SIGUSR1 after step (\d+): checkpoint written", log)
+    assert stopped, log
+    step = int(stopped.group(1))
+    assert 10 <= step < 400
+    assert f"launch: job {job} (restart 1)" in log
+    assert re.search(rf"\[ddp\] resumed from \S+step_{step:08d}\.pt \(step {step}\)", log), log
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics["resumed_from_step"] == step and metrics["last_step"] == 400
+    assert [r["step"] for r in metrics["history"]] == list(range(1, 401))
+    # Same layout, same reductions: the interrupted curve is the uninterrupted one.
+    assert losses(metrics) == losses(read_metrics(reference_dir / "run"))
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
+    args = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert_ok(run_single(straight, *args))
+    result = run([sys.executable, str(DDP_RECIPE), "--out-dir", str(crashed), *TINY, *args],
+                 env=recipe_env(HPCML_TEST_CRASH_DURING_CHECKPOINT="4"), timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    checkpoints = sorted(p.name for p in (crashed / "checkpoints").iterdir())
+    assert checkpoints[-1] == "step_00000002.pt" and any(n.startswith(".step_00000004.pt.tmp.") for n in checkpoints)
+
+    resumed = run_single(crashed, *args)
+    assert_ok(resumed)
+    assert "(step 2)" in resumed.stdout and "step_00000002.pt" in resumed.stdout
+    assert not [p for p in (crashed / "checkpoints").iterdir() if ".tmp." in p.name]  # the torn file is gone
+    assert losses(read_metrics(crashed)) == losses(read_metrics(straight))
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+# Each: (sbatch options, recipe args, environment, the one line that must say what to change).
+BAD_INPUTS = {
+    "unknown runtime": ([], [], {"CONTAINER_RUNTIME": "docker"}, "launch: error: unknown CONTAINER_RUNTIME 'docker'"),
+    "runtime not installed": ([], [], {"CONTAINER_RUNTIME": "shifter"}, "launch: error: CONTAINER_RUNTIME=shifter but the 'shifter' command is not on PATH"),
+    "missing image": ([], [], {"CONTAINER_RUNTIME": "podman", "CONTAINER_IMAGE": "hpcml/no-such-image:cpu"},
+                      "launch: error: image 'hpcml/no-such-image:cpu' is not in podman's local storage"),
+    "more tasks than GPUs per node": (["--ntasks-per-node", "6", "--cpus-per-task", "1"], [], {}, "launch: error: 6 tasks per node but 4 GPUs per node"),
+    "bad MASTER_PORT": ([], [], {"MASTER_PORT": "99999"}, "launch: error: MASTER_PORT=99999 is not a port number"),
+    "unwritable output": ([], [], {"RUN_DIR": "{tmp}/file/run"}, "launch: error: cannot write to the run directory"),
+    "relative extra mount": ([], [], {"CONTAINER_MOUNTS": "data"}, "launch: error: CONTAINER_MOUNTS: 'data' is not an existing absolute directory"),
+    "batch not divisible by the world size": ([], ["--global-batch", "6"], {}, "[ddp] error: --global-batch 6 is not divisible by the world size 4"),
+    "zero size": ([], ["--global-batch", "0"], {}, "[ddp] error: --global-batch must be at least 1, got 0"),
+    "negative size": ([], ["--checkpoint-every", "-5"], {}, "[ddp] error: --checkpoint-every must be 0 (only at the end) or more, got -5"),
+    "heads do not divide the width": ([], ["--n-embd", "30", "--n-head", "4"], {}, "[ddp] error: --n-embd 30 is not divisible by --n-head 4"),
+    "malformed config file": ([], ["--config", "{tmp}/broken.toml"], {}, "[ddp] error: --config {tmp}/broken.toml is not valid TOML"),
+    "unknown key in config file": ([], ["--config", "{tmp}/typo.toml"], {}, "[ddp] error: unknown option 'learning_rate' in --config"),
+    "wrong type in config file": ([], ["--config", "{tmp}/type.toml"], {}, "[ddp] error: 'max-steps' in --config {tmp}/type.toml must be int, got '10'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_is_refused_before_any_rank_with_one_line(slurm_cluster, tmp_path, case):
+    options, args, env, message = BAD_INPUTS[case]
+    write(tmp_path / "file", "")
+    write(tmp_path / "broken.toml", "lr = 0.001\nmax-steps = [10\n")
+    write(tmp_path / "typo.toml", "learning_rate = 0.001\n")
+    write(tmp_path / "type.toml", "max-steps = '10'\n")
+    fill = lambda text: text.replace("{tmp}", str(tmp_path))  # noqa: E731
+    code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "ddp", "-N", "2", "--ntasks-per-node", "2", *options,
+                                     recipe_args=[*TINY, *map(fill, args)], **{k: fill(v) for k, v in env.items()})
+    assert code == 2 and state == "FAILED", log
+    errors = [line for line in log.splitlines() if " error: " in line or line.startswith("srun: error")]
+    assert len(errors) == 1 and errors[0].startswith(fill(message)) and "Traceback" not in log, log
+    assert "world_size=" not in log and "srun: " not in log.replace("launch: srun", ""), log  # no rank started
+    assert not (tmp_path / "run").exists(), "a refused job left its run directory behind"
