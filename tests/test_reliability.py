@@ -90,6 +90,7 @@ def test_killed_rank_ends_the_job_promptly_and_is_named(slurm_cluster, tmp_path)
     os.kill(pid, signal.SIGKILL)
     state = wait_for(lambda: final_state(job), 60, "the job to end after a rank was killed")
     elapsed = time.monotonic() - killed_at
+    print(f"job ended {elapsed:.1f} s after rank 1 was killed")
     log = log_of(tmp_path, job)
     assert state == "FAILED" and elapsed <= 60, (state, elapsed, log)
     assert re.search(r"srun: error: nid000002: task 1: Killed", log), log
@@ -111,6 +112,7 @@ def test_stopped_rank_ends_the_job_within_the_collective_timeout(slurm_cluster, 
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     elapsed = time.monotonic() - stopped_at
+    print(f"job ended {elapsed:.1f} s after rank 1 was stopped (timeout {timeout_s} s)")
     log = log_of(tmp_path, job)
     assert state == "FAILED" and elapsed >= timeout_s - 1, (state, elapsed, log)
     assert "[ddp] error: rank 0 on nid000001: a collective failed" in log, log

@@ -2,8 +2,9 @@
 # Shared launch logic for every sbatch file in slurm/: sourced, then `launch_recipe RECIPE [ARGS...]`.
 #
 # Chooses the container runtime, finds the image, sets the rendezvous host and the Slingshot/NCCL
-# settings, logs what is about to run, and starts one task per rank with `srun -u`. Everything that can
-# be wrong with the input is checked here, before srun starts a single rank.
+# settings, logs what is about to run, and starts one task per rank with `srun -u --kill-on-bad-exit`.
+# Everything that can be wrong with the input is checked here (preflight), before srun starts a single
+# rank; after the step, a recipe stopped by the time-limit warning gets its job requeued.
 #
 # Variables (all optional; set them in the environment of `sbatch`, which passes them to the job):
 #   CONTAINER_RUNTIME  shifter | podman-hpc | podman | none
@@ -13,7 +14,11 @@
 #   NCCL_NET           network NCCL must use (default "AWS Libfabric": the Slingshot plugin). NCCL then
 #                      fails at start-up instead of falling back to TCP sockets. Set NCCL_NET= (empty) on
 #                      clusters without the plugin.
-#   LAUNCH_DRY_RUN=1   print the srun command instead of running it
+#   LAUNCH_DRY_RUN=1   print the srun command instead of running it (no checks that need the runtime)
+#   LAUNCH_PREFLIGHT=0 skip the recipe's own check (python RECIPE --preflight WORLD_SIZE) before srun
+#   LAUNCH_PREFLIGHT_ONLY=1  run every check, then stop before srun (slurm/preflight.sh sets it)
+#   LAUNCH_MAX_REQUEUES      how often a job may requeue itself at the time-limit warning (default 10)
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING  default 1: a failed NCCL collective aborts the rank instead of hanging
 #   REPO_DIR           the checkout holding recipes/ (default: the directory sbatch was called from)
 #   RUN_DIR            the run's output directory (checkpoints, metrics): created here, mounted into the
 #                      container; the sbatch files default it to runs/<recipe>-<jobid> in the repository
