@@ -17,7 +17,12 @@ The same file runs everywhere; it picks NCCL when CUDA is present and gloo other
 Every rank gets global_batch / world_size rows of the same global batch, so the loss curve does not depend
 on the number of ranks: 2 ranks must match 1 process to float precision (tests/test_ddp_parity.py).
 Checkpoints go to OUT_DIR/checkpoints every --checkpoint-every steps and at the end; a rerun with the same
---out-dir resumes from the newest one. Rank 0 writes OUT_DIR/metrics.json.
+--out-dir resumes from the newest one. Rank 0 writes OUT_DIR/metrics.json. SIGUSR1 (Slurm's time-limit
+warning) or SIGTERM (preemption): every rank stops after the same step, checkpoints and exits 0, leaving
+OUT_DIR/stopped_by_signal for the launcher, which requeues the job. Options can come from a TOML file:
+
+    python recipes/ddp/train.py --config run.toml --max-steps 100   # the command line wins
+    python recipes/ddp/train.py --preflight 8                       # only check the options for 8 ranks
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@
 # Everything that can be wrong with the input is checked here (preflight), before srun starts a single
 # rank; after the step, a recipe stopped by the time-limit warning gets its job requeued.
 #
+# What it needs from a recipe: `--out-dir DIR` (the sbatch file passes RUN_DIR), `--preflight WORLD_SIZE`
+# (check the options, exit 0 or 2 with one line), and, when stopped by SIGUSR1, a checkpoint plus the file
+# RUN_DIR/stopped_by_signal (recipes/common.py: StopRequest) and exit 0.
+#
 # Variables (all optional; set them in the environment of `sbatch`, which passes them to the job):
 #   CONTAINER_RUNTIME  shifter | podman-hpc | podman | none
 #                      default: shifter where the `shifter` command exists (Perlmutter), else none
