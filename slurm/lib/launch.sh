@@ -80,6 +80,11 @@ choose_image() {
         launch_error "image '$image' is not in $runtime's local storage on $(hostname):" \
             "build it (make build-IMAGE) or pull it ($runtime pull $image)"
     fi
+    # Shifter starts only images its gateway has pulled (not checked here where shifterimg is absent).
+    if [[ $runtime == shifter && ${LAUNCH_DRY_RUN:-0} != 1 ]] && command -v shifterimg >/dev/null 2>&1 &&
+        ! shifterimg lookup "docker:$image" >/dev/null 2>&1; then
+        launch_error "Shifter has no image '$image': shifterimg pull docker:$image (then resubmit)"
+    fi
     echo "$image"
 }
 
