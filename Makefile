@@ -16,13 +16,15 @@ IMAGE_TOOL := bash containers/images.sh
 PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
 
 .PHONY: help venv run test test-unit test-slurm test-images test-images-all shellcheck hadolint \
-	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases
+	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
+	bench bench-quick gpu-check nccl-check
 
 help:
 	@sed -n 's/^#   //p' Makefile
 	@echo "images:  make build-IMAGE | push-IMAGE REGISTRY=... | pull-IMAGE REGISTRY=... | versions IMAGE=..."
 	@echo "         build-all, base-rootfs, pin-cuda-bases   (IMAGE: $(IMAGES); FLAVOR=cpu|cuda)"
 	@echo "tests:   test-unit test-slurm test-images test-images-all hadolint shellcheck"
+	@echo "bench:   bench (about 6 min), bench-quick; gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
 	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
 
 venv: $(VENV)/.installed
@@ -53,6 +55,21 @@ test-images: venv
 # The slower tier: also builds and checks every other image (Horovod compiles for ~10 min on 2 cores).
 test-images-all: venv
 	HPCML_TEST_IMAGES="$(IMAGES)" $(PYTEST) -m containers
+
+# Benchmarks: ratios measured side by side (JSON, PNG and a Markdown table in runs/bench/).
+bench: venv
+	OMP_NUM_THREADS=1 $(PY) bench/run.py --out runs/bench
+
+bench-quick: venv
+	OMP_NUM_THREADS=1 $(PY) bench/run.py --quick --out runs/bench-quick
+
+# On a GPU machine: tokens/s and MFU of the DDP recipe at ~1B parameters, eager and torch.compile.
+gpu-check: venv
+	$(PY) bench/gpu_check.py --out runs/gpu-check
+
+# On Perlmutter (or any Slurm GPU cluster): NCCL all-reduce between 2 nodes; fails on a socket fallback.
+nccl-check:
+	sbatch --wait slurm/nccl_check.sh $(NCCL_CHECK_ARGS)
 
 build-%:
 	$(IMAGE_TOOL) build $*

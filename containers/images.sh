@@ -21,6 +21,7 @@
 #                directory PIP_FIND_LINKS names, if any. Never copied into a layer.
 #   CA_BUNDLE    a CA bundle for pip behind a TLS-inspecting proxy, given as a build secret (never a
 #                layer); default: PIP_CERT, else none
+#   NO_CACHE=1   rebuild every layer (a cold build, for benchmarks)
 set -euo pipefail
 
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -172,6 +173,11 @@ make_rootfs() {
     trap - EXIT
 }
 
+label_of() {
+    # shellcheck disable=SC2016 # a Go template for the engine
+    "$ENGINE" image inspect --format "{{ index .Config.Labels \"$2\" }}" "$(qualified "$1")" 2>/dev/null || true
+}
+
 engine_build() {
     local -a extra=()
     if [[ $ENGINE == podman || $ENGINE == podman-hpc ]]; then
@@ -181,6 +187,7 @@ engine_build() {
     else
         export DOCKER_BUILDKIT=1
     fi
+    [[ ${NO_CACHE:-0} != 1 ]] || extra+=(--no-cache)
     "$ENGINE" build --network=host --secret "id=cacert,src=$CA_SECRET" "${extra[@]}" "$@"
 }
 
@@ -200,12 +207,23 @@ build_one() {
 
     # Labels written from what the built image really holds, plus where it came from. Only the leaf
     # images carry the git commit: a commit label on a parent would rebuild every child on every commit.
-    local iid
+    local iid stamped
     iid=$(<"$tmp/iid")
+    # Unchanged build, already stamped (same content, same commit): nothing to do. Saves a container start
+    # per image, which is most of a rebuild after a recipe edit.
+    stamped=$(label_of "$name" io.hpcml.build-id)
+    if [[ $stamped == "$iid" ]] && { [[ " $LEAVES " != *" $image "* ]] ||
+        [[ $(label_of "$name" org.opencontainers.image.revision) == "$(revision)" ]]; }; then
+        rm -rf "$tmp"
+        BUILT="$BUILT $image"
+        say "built $name in $((SECONDS - start)) s (unchanged)"
+        return 0
+    fi
     {
         echo "FROM $iid"
         "$ENGINE" run --rm --entrypoint hpcml-versions "$iid" --labels
-        echo "LABEL io.hpcml.image=\"$image\" io.hpcml.flavor=\"$FLAVOR\" org.opencontainers.image.title=\"hpcml/$image\""
+        echo "LABEL io.hpcml.image=\"$image\" io.hpcml.flavor=\"$FLAVOR\" org.opencontainers.image.title=\"hpcml/$image\"" \
+            "io.hpcml.build-id=\"$iid\""
         case " $LEAVES " in
         *" $image "*) echo "LABEL org.opencontainers.image.revision=\"$(revision)\"" ;;
         esac

@@ -333,7 +333,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     return measure_cpu_matmul_flops(dtype)
 
 
-def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> tuple[float, str]:
+def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.3) -> tuple[float, str]:
     """A CPU has no data-sheet peak that means much; measure a large matmul, same dtype and threads, now."""
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)

@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="process-group timeout: a collective that waits longer fails the job")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per device for MFU (default: data sheet on GPU, measured matmul on CPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU speed; slow to start)")
     p.add_argument("--config", type=Path, default=None,
                    help="a TOML file of these options (keys as here, without '--'); the command line wins")
     p.add_argument("--preflight", type=int, default=None, metavar="WORLD_SIZE",
@@ -149,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     # ---- model: same seed on every rank; DDP also broadcasts rank 0's weights at construction
     torch.manual_seed(args.seed)
     model = GPT(model_cfg).to(device)
-    raw_model = model
+    raw_model = model  # checkpoints and parameter checks use the plain module
+    if args.compile:
+        model = torch.compile(model)
     if env.world_size > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         # Frameworks fall back to no parallelism silently; refuse to "train in parallel" without the wrapper.

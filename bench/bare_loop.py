@@ -1,0 +1,55 @@
+"""The bare PyTorch training loop the recipes are measured against: same model, data, batch and optimizer,
+nothing else (no process group, no checkpoints, no metrics logger, no signal handling).
+
+    python bench/bare_loop.py --out result.json --global-batch 8 --max-steps 30 [model options]
+
+Writes per-step times and losses, so the benchmark compares like with like and can check that both
+loops trained the very same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+import common  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    for name, default in (("global-batch", 16), ("max-steps", 30), ("seed", 1234), ("seq-len", 64), ("vocab-size", 256),
+                          ("n-layer", 2), ("n-head", 4), ("n-embd", 64)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--lr", type=float, default=3e-3)
+    args = p.parse_args()
+
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    data = common.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    model.train()
+    history = []
+    for step in range(1, args.max_steps + 1):
+        t0 = time.perf_counter()
+        inputs, targets = data.global_batch(step, args.global_batch)
+        loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.item()  # every real loop looks at its loss
+        step_time = time.perf_counter() - t0
+        history.append({"step": step, "loss": value, "step_time_s": step_time,
+                        "samples_per_s": args.global_batch / step_time})
+    args.out.write_text(json.dumps({"history": history}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The benchmark runner's quick mode: it runs, writes JSON with every field, its ratios come from the
+measured pairs (not constants), its two loops trained the same model, and its figures are real PNGs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from conftest import REPO, build_images, container_env, run, sbatch_recipe
+
+pytestmark = pytest.mark.containers
+
+
+def test_quick_benchmark_writes_json_figures_and_table(tmp_path):
+    build_images("ddp")
+    result = run([sys.executable, str(REPO / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
+                 env=container_env(), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert set(bench) == {"meta", "overhead", "mfu", "scaling", "images", "container"}
+    assert bench["meta"]["mode"] == "quick" and bench["meta"]["threads_per_process"] == 1
+
+    overhead = bench["overhead"]
+    pairs = [r / b for r, b in zip(overhead["recipe_samples_per_s"], overhead["bare_samples_per_s"])]
+    assert overhead["ratios"] == pairs and overhead["ratio"] == statistics.median(pairs)
+    assert overhead["meets_target"] == (overhead["ratio"] >= overhead["target"] == 0.97)
+    assert overhead["loss_max_rel_diff"] < 1e-6  # the recipe and the bare loop trained the very same model
+
+    scaling = bench["scaling"]
+    efficiencies = [two / 2 / one for one, two in zip(scaling["samples_per_s_1_rank"], scaling["samples_per_s_2_ranks"])]
+    assert scaling["efficiencies"] == efficiencies and 0 < scaling["efficiency"] == statistics.median(efficiencies)
+
+    container = bench["container"]
+    assert container["throughput_ratios"] == [p / b for p, b in zip(container["samples_per_s_podman"], container["samples_per_s_bare"])]
+    assert container["startup_ratios"] == [p / b for p, b in zip(container["startup_s_podman"], container["startup_s_bare"])]
+    assert container["loss_max_rel_diff"] < 1e-6
+
+    images = bench["images"]
+    assert images["size_mb"]["ddp"] > 100 and images["recipe_edit_rebuild_s"] > 0
+    assert images["cold_build_s"] is None and images["meets_target"] == (images["recipe_edit_rebuild_s"] <= 5.0)
+    assert 0 < bench["mfu"]["mfu"] < 1 and bench["mfu"]["peak_source"].startswith("measured")
+    assert not (REPO / "recipes" / "zz_bench_edit.py").exists()
+
+    import matplotlib.image
+
+    for figure in ("loss_curves", "throughput", "scaling"):
+        pixels = matplotlib.image.imread(tmp_path / f"{figure}.png")
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0
+    table = (tmp_path / "RESULTS.md").read_text()
+    assert "| overhead: recipe / bare loop throughput (1 process) |" in table and f"{overhead['ratio']:.3f}" in table
+
+
+@pytest.mark.slurm
+def test_allreduce_check_runs_under_slurm_in_the_image(slurm_cluster, tmp_path):
+    """slurm/nccl_check.sh, unchanged, on the local cluster: gloo on CPU, so bandwidth and sums only."""
+    build_images("ddp")
+    code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "nccl_check", "-N", "2", "--ntasks-per-node", "1",
+                                     recipe_args=["--max-bytes", "1M", "--min-bytes", "256K", "--iters", "5"],
+                                     CONTAINER_RUNTIME="podman", CONTAINER_IMAGE="hpcml/ddp:cpu")
+    assert (code, state) == (0, "COMPLETED"), log
+    report = json.loads((tmp_path / "run" / "allreduce.json").read_text())
+    assert report["world_size"] == 2 and report["container"] == "podman" and report["transport"] == "gloo (CPU)"
+    assert [r["bytes"] for r in report["results"]] == [262144, 1048576]
+    assert all(r["correct"] and r["busbw_gbs"] > 0 for r in report["results"]) and report["problems"] == []
