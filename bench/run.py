@@ -1,6 +1,6 @@
 """Benchmarks: what the stack costs and how it scales, as ratios of runs measured side by side in one go.
 
-    python bench/run.py                 # the full run (about 6 minutes on 2 cores): make bench
+    python bench/run.py                 # the full run (about 10 minutes on 2 cores): make bench
     python bench/run.py --quick         # tiny sizes, one repeat (about 1 minute): make bench-quick, the tests
     python bench/run.py --no-containers # without podman
 
@@ -245,7 +245,8 @@ def main() -> None:
     import torch
 
     quick = args.quick
-    repeats, steps, batch = (1, 10, 4) if quick else (3, 40, 8)
+    # Full: 5 pairs of 100-step runs; on this shared 2-core machine single pairs scatter by +-7 %.
+    repeats, steps, batch = (1, 10, 4) if quick else (5, 100, 8)
     sizes = model_args(quick)
     common_args = [*sizes, "--max-steps", str(steps), "--global-batch", str(batch)]
     args.out.mkdir(parents=True, exist_ok=True)

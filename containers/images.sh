@@ -221,7 +221,14 @@ build_one() {
     fi
     {
         echo "FROM $iid"
-        "$ENGINE" run --rm --entrypoint hpcml-versions "$iid" --labels
+        if [[ -n $parent ]] && ! grep -q '^RUN' "$(containerfile_of "$image")"; then
+            # Nothing installed on top of the parent (recipes copied in): its versions hold, no container start.
+            # shellcheck disable=SC2016 # a Go template for the engine
+            "$ENGINE" image inspect --format '{{ range $k, $v := .Config.Labels }}{{ $k }}={{ $v }}{{ "\n" }}{{ end }}' \
+                "$(qualified "$(local_name "$parent")")" | sed -n 's/^\(io\.hpcml\.version\.[^=]*\)=\(.*\)$/LABEL \1="\2"/p'
+        else
+            "$ENGINE" run --rm --entrypoint hpcml-versions "$iid" --labels
+        fi
         echo "LABEL io.hpcml.image=\"$image\" io.hpcml.flavor=\"$FLAVOR\" org.opencontainers.image.title=\"hpcml/$image\"" \
             "io.hpcml.build-id=\"$iid\""
         case " $LEAVES " in
