@@ -151,3 +151,17 @@ def test_outside_a_job():
     env = {k: "" for k in JOB}
     error = one_line_error(launch(CONTAINER_RUNTIME="none", **env))
     assert "not inside a Slurm job" in error
+
+
+def test_shifter_gpu_job_needs_the_nccl_plugin_module_when_nccl_net_names_it():
+    gpu_job = dict(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1", SLURM_GPUS_PER_NODE="4")
+    error = one_line_error(launch(**gpu_job, SLURM_SPANK_SHIFTER_MODULE="gpu"))
+    assert "needs Shifter's nccl-plugin module: add '#SBATCH --module=gpu,nccl-plugin'" in error
+    assert launch(**gpu_job, SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin").returncode == 0
+    assert launch(**gpu_job, SLURM_SPANK_SHIFTER_MODULE="gpu", NCCL_NET="").returncode == 0  # TCP allowed on purpose
+
+
+def test_more_ranks_than_gpus_per_node_is_refused():
+    error = one_line_error(launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", SLURM_GPUS_PER_NODE="a100:4",
+                                  SLURM_TASKS_PER_NODE="8(x2)"))
+    assert "8 tasks per node but 4 GPUs per node: one rank per GPU; use --ntasks-per-node=4" in error
