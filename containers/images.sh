@@ -35,6 +35,10 @@ die() {
     echo "images: error: $*" >&2
     exit 2
 }
+
+# Temporary files and directories (the CA secret among them) go, however the script ends.
+CLEANUP=()
+trap 'rm -rf "${CLEANUP[@]}"' EXIT
 say() { echo "images: $*" >&2; }
 
 # shellcheck source=containers/versions.env
@@ -157,8 +161,7 @@ make_rootfs() {
         "(or set CPU_BASE_IMAGE=docker.io/library/debian:bookworm-slim where docker.io is reachable)"
     local tmp
     tmp=$(mktemp -d)
-    # shellcheck disable=SC2064 # expand now: the path is fixed
-    trap "rm -rf '$tmp'" EXIT
+    CLEANUP+=("$tmp")
     say "making $CPU_BASE_IMAGE with mmdebstrap (about a minute)"
     mmdebstrap --quiet --variant=minbase --include=ca-certificates \
         --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
@@ -170,7 +173,6 @@ make_rootfs() {
         "deb http://deb.debian.org/debian-security bookworm-security main"
     "$ENGINE" import --change 'CMD ["/bin/bash"]' "$tmp/rootfs.tar" "$CPU_BASE_IMAGE" >/dev/null
     rm -rf "$tmp"
-    trap - EXIT
 }
 
 label_of() {
@@ -200,6 +202,7 @@ build_one() {
     local name tmp start=$SECONDS
     name=$(local_name "$image")
     tmp=$(mktemp -d)
+    CLEANUP+=("$tmp")
     say "building $name (FLAVOR=$FLAVOR, engine $ENGINE)"
     local -a args
     mapfile -t args < <(build_args "$image")
@@ -256,8 +259,7 @@ cmd_build() {
     # The secret always exists for the build (an empty file when there is no CA bundle), so the same
     # Containerfile builds with and without one.
     CA_SECRET=$(mktemp)
-    # shellcheck disable=SC2064 # expand now: the path is fixed
-    trap "rm -f '$CA_SECRET'" EXIT
+    CLEANUP+=("$CA_SECRET")
     local bundle=${CA_BUNDLE-${PIP_CERT:-}}
     if [[ -n $bundle ]]; then
         [[ -r $bundle ]] || die "CA_BUNDLE=$bundle is not readable"
