@@ -214,13 +214,15 @@ def plot(results: dict, out: Path) -> None:
 def markdown(results: dict) -> str:
     o, s, c, i, m = (results["overhead"], results["scaling"], results.get("container"), results.get("images"), results["mfu"])
     ok = lambda flag: "yes" if flag else "**no**"  # noqa: E731
+    spread = lambda values: f" ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else ""  # noqa: E731
     rows = [
-        ("overhead: recipe / bare loop throughput (1 process)", f"{o['ratio']:.3f}", f"≥ {o['target']}", ok(o["meets_target"])),
-        ("weak scaling 1 → 2 ranks, efficiency t(1)/t(2)", f"{s['efficiency']:.3f}", "", ""),
+        ("overhead: recipe / bare loop throughput (1 process)", f"{o['ratio']:.3f}{spread(o['ratios'])}", f"≥ {o['target']}",
+         ok(o["meets_target"])),
+        ("weak scaling 1 → 2 ranks, efficiency t(1)/t(2)", f"{s['efficiency']:.3f}{spread(s['efficiencies'])}", "", ""),
     ]
     if c:
-        rows += [("container: podman / bare throughput", f"{c['throughput_ratio']:.3f}", "", ""),
-                 ("container: podman / bare start-up time", f"{c['startup_ratio']:.2f}", "", "")]
+        rows += [("container: podman / bare throughput", f"{c['throughput_ratio']:.3f}{spread(c['throughput_ratios'])}", "", ""),
+                 ("container: podman / bare start-up time", f"{c['startup_ratio']:.2f}{spread(c['startup_ratios'])}", "", "")]
     if i:
         rows += [("image: rebuild after a one-line recipe edit (s)", f"{i['recipe_edit_rebuild_s']:.1f}",
                   f"≤ {i['target_rebuild_s']}", ok(i["meets_target"]))]
@@ -230,7 +232,8 @@ def markdown(results: dict) -> str:
     rows.append(("MFU of the recipe on CPU (peak measured in the run)", f"{100 * m['mfu']:.1f}%", "", ""))
     meta = results["meta"]
     lines = [f"# Benchmark results ({meta['mode']} run, {meta['date']}, {meta['cpus']} CPUs, torch {meta['torch']}, "
-             f"commit {meta['commit']})", "", "Ratios of runs measured alternately in one run; see bench/run.py.", "",
+             f"commit {meta['commit']})", "", f"Ratios of runs measured alternately in one run ({meta['repeats']} pairs): the median, "
+             "and in brackets the lowest and highest pair. See bench/run.py.", "",
              "| measure | value | target | met |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {t} | {k} |" for a, b, t, k in rows]
     return "\n".join(lines) + "\n"
