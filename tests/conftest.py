@@ -93,13 +93,20 @@ def sbatch_recipe(cluster: dict, tmp_path: Path, recipe: str, *options: str, rec
     exit code and by the final state Slurm recorded (jobcomp), since `sbatch --wait` alone reports 0 for a
     job cancelled before it ran.
     """
+    code, job_id = submit_recipe(cluster, tmp_path, recipe, "--wait", *options, recipe_args=recipe_args, **env)
+    log = tmp_path / f"{recipe}-{job_id}.out"
+    return code, job_state(job_id), log.read_text() if log.exists() else ""
+
+
+def submit_recipe(cluster: dict, tmp_path: Path, recipe: str, *options: str, recipe_args: list[str],
+                  **env: str) -> tuple[int, str]:
+    """sbatch slurm/<recipe>.sh (add "--wait" to options to wait); returns (sbatch's exit code, job id)."""
     run_env = container_env(**{**cluster, "CONTAINER_RUNTIME": "none", "RUN_DIR": str(tmp_path / "run"), **env})
-    result = run(["sbatch", "--wait", "--parsable", "-o", str(tmp_path / "%x-%j.out"), *options,
+    result = run(["sbatch", "--parsable", "-o", str(tmp_path / "%x-%j.out"), *options,
                   str(REPO / "slurm" / f"{recipe}.sh"), *recipe_args], env=run_env, cwd=REPO, timeout=400)
     job_id = result.stdout.strip().split(";")[0]
     assert job_id.isdigit(), f"sbatch did not submit:\n{result.stdout}\n{result.stderr}"
-    log = tmp_path / f"{recipe}-{job_id}.out"
-    return result.returncode, job_state(job_id), log.read_text() if log.exists() else ""
+    return result.returncode, job_id
 
 
 def job_state(job_id: str) -> str:

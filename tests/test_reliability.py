@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, losses, read_metrics, recipe_env, run, run_single,
-                      sbatch_recipe)
+from conftest import (CLUSTER_DIR, DDP_RECIPE, TINY, assert_ok, losses, read_metrics, recipe_env, run, run_single,
+                      sbatch_recipe, submit_recipe)
 
 pytestmark = pytest.mark.slurm
 
@@ -33,12 +33,7 @@ LONG_RUN = [*TINY, "--global-batch", "8", "--max-steps", "400", "--checkpoint-ev
 
 def submit(cluster: dict, tmp_path: Path, *options: str, recipe_args: list[str], **env: str) -> str:
     """sbatch slurm/ddp.sh without waiting; returns the job id."""
-    run_env = recipe_env(**{**cluster, "CONTAINER_RUNTIME": "none", "RUN_DIR": str(tmp_path / "run"), **env})
-    result = run(["sbatch", "--parsable", "-o", str(tmp_path / "%x-%j.out"), *options, str(REPO / "slurm" / "ddp.sh"),
-                  *recipe_args], env=run_env, cwd=REPO, timeout=60)
-    job_id = result.stdout.strip().split(";")[0]
-    assert job_id.isdigit(), result.stdout + result.stderr
-    return job_id
+    return submit_recipe(cluster, tmp_path, "ddp", *options, recipe_args=recipe_args, **env)[1]
 
 
 def log_of(tmp_path: Path, job_id: str) -> str:
