@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, recipe_env, run, sbatch_recipe
+from conftest import TINY, recipe_env, run, sbatch_recipe
 
 pytestmark = pytest.mark.slurm
 RECIPE_ARGS = [*TINY, "--max-steps", "4", "--global-batch", "8", "--checkpoint-every", "0"]
