@@ -5,7 +5,8 @@
 - ``setup_torch_distributed``: device and backend (NCCL on CUDA, gloo on CPU) and the process group.
 - ``SyntheticTokens``: deterministic token batches; step ``s`` is the same global batch at any world size.
 - ``MetricsLogger`` and ``transformer_flops_per_token`` / ``peak_flops``: rank-0 logs, JSON, MFU.
-- ``save_checkpoint`` / ``latest_checkpoint``: atomic checkpoint files (temp name, fsync, rename).
+- ``save_checkpoint`` / ``latest_checkpoint``: atomic checkpoint files (temp name, fsync, rename), and
+  ``staging_checkpoint_dir`` / ``publish_checkpoint_dir`` the same for checkpoints written by every rank.
 
 Recipes put ``recipes/`` on ``sys.path`` and ``import common``; the file has no other project imports.
 """
@@ -17,6 +18,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -160,6 +162,22 @@ def detect_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
         )
 
     return DistEnv(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=29500, launcher="single")
+
+
+# slurm/lib/launch.sh exports the number of ranks it launched. A recipe whose framework formed another world
+# (a launcher that started one process, or N independent copies that each see world size 1, all exiting 0)
+# stops here instead of training the wrong thing.
+EXPECTED_WORLD_SIZE_ENV = "HPCML_EXPECTED_WORLD_SIZE"
+
+
+def check_expected_world_size(world_size: int, environ: dict[str, str] | None = None) -> None:
+    expected = (os.environ if environ is None else environ).get(EXPECTED_WORLD_SIZE_ENV, "")
+    if expected.isdigit() and int(expected) != world_size:
+        raise ConfigError(
+            f"this process joined a world of {world_size} rank(s), but the job launched {expected} "
+            f"({EXPECTED_WORLD_SIZE_ENV}): the launcher started the ranks as independent trainings; "
+            "check the launch command (torchrun/accelerate/deepspeed options) against the allocation"
+        )
 
 
 def setup_torch_distributed(env: DistEnv, timeout_s: float) -> tuple[torch.device, str]:
@@ -477,6 +495,52 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 def latest_checkpoint(directory: Path) -> Path | None:
     checkpoints = list_checkpoints(directory)
+    return checkpoints[-1] if checkpoints else None
+
+
+# Frameworks that shard state over ranks (accelerate, DeepSpeed) write a directory per checkpoint, a file
+# or more per rank. The same promise as above: every rank writes into a staging directory; after a barrier
+# rank 0 renames it to step_XXXXXXXX, so a directory under that name is always complete.
+CHECKPOINT_DIR_PATTERN = re.compile(r"step_(\d{8})")
+
+
+def staging_checkpoint_dir(directory: Path, step: int) -> Path:
+    """Where every rank writes the checkpoint of ``step`` before it is published (never read by a resume)."""
+    return Path(directory) / f".step_{step:08d}.partial"
+
+
+def publish_checkpoint_dir(directory: Path, step: int, keep: int = 2) -> Path:
+    """Rank 0, after all ranks finished writing: rename the staging directory, keep the newest ``keep``.
+
+    Staging directories of writes that crashed (any step) are removed here.
+    """
+    directory = Path(directory)
+    final = directory / f"step_{step:08d}"
+    if final.exists():  # the same step written again (a rerun after a crash that came after publishing)
+        shutil.rmtree(final)
+    os.replace(staging_checkpoint_dir(directory, step), final)
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+    for stale in directory.glob(".step_*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in list_checkpoint_dirs(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoint_dirs(directory: Path) -> list[Path]:
+    """Published checkpoint directories, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and CHECKPOINT_DIR_PATTERN.fullmatch(p.name))
+
+
+def latest_checkpoint_dir(directory: Path) -> Path | None:
+    checkpoints = list_checkpoint_dirs(directory)
     return checkpoints[-1] if checkpoints else None
 
 

@@ -8,7 +8,13 @@
 #
 # What it needs from a recipe: `--out-dir DIR` (the sbatch file passes RUN_DIR), `--preflight WORLD_SIZE`
 # (check the options, exit 0 or 2 with one line), and, when stopped by SIGUSR1, a checkpoint plus the file
-# RUN_DIR/stopped_by_signal (recipes/common.py: StopRequest) and exit 0.
+# RUN_DIR/stopped_by_signal (recipes/common.py: StopRequest) and exit 0. Every rank sees
+# HPCML_EXPECTED_WORLD_SIZE (the job's task count) and refuses to train in a world of another size.
+#
+# Ranks are srun tasks (one task per rank), unless the sbatch file sets RECIPE_LAUNCHER: a bash script
+# run once per node (srun --ntasks-per-node=1), inside the runtime, as `bash -c "$RECIPE_LAUNCHER" PYTHON
+# RECIPE ARGS...`; it starts that node's ranks itself (slurm/accelerate.sh: `accelerate launch`). Write it
+# in single quotes: $SLURM_NODEID and friends must be expanded on each node, not in the batch script.
 #
 # Variables (all optional; set them in the environment of `sbatch`, which passes them to the job):
 #   CONTAINER_RUNTIME  shifter | podman-hpc | podman | none
@@ -156,11 +162,34 @@ build_command() {
         # Prefixes: podman reads the matching variables from each task's own environment when its
         # container starts, so every rank gets its own SLURM_PROCID and the step's SLURM_STEP_* (which the
         # batch script, where this command is built, does not have).
-        cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'TORCH_NCCL_*' -e 'FI_*' -e OMP_NUM_THREADS -e PYTHONUNBUFFERED)
+        cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'TORCH_NCCL_*' -e 'FI_*' -e 'HPCML_*' -e OMP_NUM_THREADS -e PYTHONUNBUFFERED)
         cmd+=("$image")
         ;;
     esac
     cmd+=("${PYTHON:-python3}" "$@")
+}
+
+# The srun options and the command of the job step: one task per rank, or one per node (RECIPE_LAUNCHER).
+build_step() {
+    local -n step=$1
+    local runtime=$2 image=$3 recipe=$4
+    shift 4
+    local -a container
+    if [[ -z ${RECIPE_LAUNCHER:-} ]]; then
+        build_command container "$runtime" "$image" "$REPO_DIR/$recipe" "$@"
+        step=(srun -u --kill-on-bad-exit=1 "${container[@]}")
+        return
+    fi
+    local nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}} tasks=${SLURM_NTASKS:-1}
+    ((tasks % nodes == 0)) || launch_error "$tasks tasks on $nodes nodes: one launcher per node starts the same"         "number of ranks on every node; use --ntasks-per-node (e.g. -N $nodes --ntasks-per-node=$(((tasks + nodes - 1) / nodes)))"
+    # build_command puts PYTHON first; here it becomes $0 of the per-node script, the recipe and its args "$@".
+    build_command container "$runtime" "$image" "$REPO_DIR/$recipe" "$@"
+    local python_at=$((${#container[@]} - $# - 2))
+    container=("${container[@]:0:python_at}" bash -c "$RECIPE_LAUNCHER" "${container[@]:python_at}")
+    step=(srun -u --kill-on-bad-exit=1 -N "$nodes" --ntasks="$nodes" --ntasks-per-node=1)
+    # The node's launcher task needs the CPUs of all the ranks it starts.
+    [[ ${SLURM_CPUS_PER_TASK:-} =~ ^[0-9]+$ ]] && step+=(--cpus-per-task=$((SLURM_CPUS_PER_TASK * tasks / nodes)))
+    step+=("${container[@]}")
 }
 
 # One line per check, before any rank starts: the allocation, the network plugin, the directories.
@@ -244,10 +273,10 @@ launch_recipe() {
     export MASTER_ADDR MASTER_PORT
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     export PYTHONUNBUFFERED=1
+    export HPCML_EXPECTED_WORLD_SIZE=${SLURM_NTASKS:-1}
 
     local -a command
-    build_command command "$runtime" "$image" "$REPO_DIR/$recipe" "$@"
-    command=(srun -u --kill-on-bad-exit=1 "${command[@]}")
+    build_step command "$runtime" "$image" "$recipe" "$@"
 
     # What ran, at the top of every job log (a requeued job appends to the same log).
     echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)"
