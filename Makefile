@@ -29,9 +29,11 @@ help:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements/cpu.txt
+$(VENV)/.installed: requirements/cpu.txt requirements/frameworks.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements/cpu.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(PY) -m pip install -q --no-build-isolation --no-cache-dir \
+		-r requirements/frameworks.txt
 	touch $@
 
 run: venv

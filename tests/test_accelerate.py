@@ -1,0 +1,122 @@
+"""The accelerate recipe: 2 processes train exactly what 1 process trains, resume continues the curve,
+and the checks catch a wrong result (negative control) and a launch that silently fell back.
+
+Reference: 1 plain process on the global batch of 8. Parallel: `accelerate launch --multi_gpu` (the
+launcher slurm/accelerate.sh uses), 2 gloo ranks, 2 micro-batches of 2 rows per rank and step (gradient
+accumulation). Tolerance: relative difference of the per-step loss <= 1e-5 over 6 steps (float32
+reductions in another order); parameters bitwise identical across ranks (checked inside the run).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import REPO, TINY, assert_ok, free_port, losses, read_metrics, recipe_env, run
+
+RECIPE = REPO / "recipes" / "accelerate" / "train.py"
+MULTI_GPU_CONFIG = REPO / "recipes" / "accelerate" / "multi_gpu.yaml"
+STEPS = [*TINY, "--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
+LOSS_RTOL = 1e-5
+
+
+def accelerate_launch(out_dir, nproc: int, *args: str, launcher_args: tuple[str, ...] = ("--multi_gpu",), **env):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, "--num_machines", "1",
+           "--num_processes", str(nproc), "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+           str(RECIPE), "--out-dir", str(out_dir), *args]
+    return run(cmd, env=recipe_env(**env), timeout=300)
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    assert_ok(run([sys.executable, str(RECIPE), "--out-dir", str(out), *STEPS], env=recipe_env()))
+    metrics = read_metrics(out)
+    assert metrics["world_size"] == 1 and metrics["model_wrapper"] == "GPT" and metrics["distributed_type"] == "NO"
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two")
+    result = accelerate_launch(out, 2, *STEPS, "--grad-accum", "2", "--launch-config", str(MULTI_GPU_CONFIG),
+                               HPCML_EXPECTED_WORLD_SIZE="2")
+    assert_ok(result)
+    return result, read_metrics(out)
+
+
+def test_two_processes_match_one(reference, two_processes):
+    result, metrics = two_processes
+    # It really was parallel: from inside the run, not from how it was launched.
+    assert metrics["world_size"] == 2 and metrics["backend"] == "gloo"
+    assert metrics["model_wrapper"] == "DistributedDataParallel" and metrics["distributed_type"] == "MULTI_CPU"
+    assert metrics["grad_accum"] == 2 and len(metrics["hostnames"]) == 2
+    assert "world_size=2 backend=gloo" in result.stdout
+    assert metrics["param_max_abs_diff_across_ranks"] == 0.0
+    assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4, 5, 6]
+    assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
+
+
+def test_resume_from_saved_state_continues_the_same_curve(two_processes, tmp_path):
+    _, straight = two_processes
+    first = accelerate_launch(tmp_path, 2, *STEPS, "--grad-accum", "2", "--stop-at-step", "3")
+    assert_ok(first)
+    assert read_metrics(tmp_path)["last_step"] == 3
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
+
+    second = accelerate_launch(tmp_path, 2, *STEPS, "--grad-accum", "2")
+    assert_ok(second)
+    assert "resumed from" in second.stdout and "(step 3)" in second.stdout
+    resumed = read_metrics(tmp_path)
+    assert resumed["resumed_from_step"] == 3
+    assert [r["step"] for r in resumed["history"]] == [1, 2, 3, 4, 5, 6]
+    assert losses(resumed) == losses(straight)  # same weights, optimizer state and data position: to the bit
+
+
+def test_negative_control_unsynchronised_gradients_are_caught(reference, tmp_path):
+    result = accelerate_launch(tmp_path, 2, *STEPS, "--skip-grad-allreduce")
+    assert result.returncode != 0
+    assert "parameters differ across ranks" in result.stderr
+    metrics = read_metrics(tmp_path)
+    assert metrics["param_max_abs_diff_across_ranks"] > 0.0
+    assert max_relative_difference(losses(metrics), losses(reference)) > 100 * LOSS_RTOL
+
+
+def test_a_launch_that_starts_one_process_instead_of_two_is_refused(tmp_path):
+    """`accelerate launch --cpu --num_processes 2` starts ONE process, which would train and exit 0."""
+    result = accelerate_launch(tmp_path, 2, *STEPS, launcher_args=("--cpu",), HPCML_EXPECTED_WORLD_SIZE="2")
+    assert result.returncode != 0
+    assert "joined a world of 1 rank(s), but the job launched 2" in result.stderr
+    assert not (tmp_path / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("config, fragments", [
+    ("num_processes: 8\nnum_machines: 2\n", ["num_processes: 8 but the job has 4 ranks", "delete num_processes"]),
+    ("distributed_type: FSDP\n", ["asks for FSDP, which accelerate runs only on GPUs"]),
+    ("num_processes: [", ["is not valid YAML"]),
+])
+def test_an_accelerate_config_that_contradicts_the_allocation_is_refused(tmp_path, config, fragments):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(config)
+    result = run([sys.executable, str(RECIPE), *TINY, "--out-dir", str(tmp_path / "run"), "--launch-config", str(path),
+                  "--preflight", "4"], env=recipe_env(SLURM_JOB_NUM_NODES="2"), timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[accelerate] error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_shipped_configs_pass_the_check_for_any_layout():
+    for world_size, nodes in ((1, 1), (4, 2), (8, 2)):
+        result = run([sys.executable, str(RECIPE), *TINY, "--global-batch", "8", "--launch-config",
+                      str(MULTI_GPU_CONFIG), "--preflight", str(world_size)],
+                     env=recipe_env(SLURM_JOB_NUM_NODES=str(nodes)), timeout=120)
+        assert_ok(result)
+        assert f"options fit world size {world_size}" in result.stdout

@@ -1,0 +1,130 @@
+"""The DeepSpeed recipe: ZeRO 1, 2 and 3 on 2 processes train exactly what 1 process (ZeRO-0) trains,
+checkpoint-resume reproduces the later losses, and the checks catch a wrong result (negative control).
+
+Reference: 1 process, ZeRO-0, global batch 8. Parallel: 2 gloo ranks under torchrun (ZeRO-3 also with 2
+micro-batches per step). Tolerance: relative difference of the per-step loss <= 1e-5 over 6 steps; full
+parameters bitwise identical across ranks (ZeRO-3: gathered first), checked inside the run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO, TINY, assert_ok, free_port, losses, read_metrics, recipe_env, run
+
+RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
+STEPS = [*TINY, "--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
+LOSS_RTOL = 1e-5
+
+
+def torchrun(out_dir, nproc: int, *args: str, **env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(RECIPE), "--out-dir", str(out_dir), *args]
+    return run(cmd, env=recipe_env(**env), timeout=300)
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[deepspeed] error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    assert_ok(run([sys.executable, str(RECIPE), "--out-dir", str(out), "--zero-stage", "0", *STEPS], env=recipe_env()))
+    metrics = read_metrics(out)
+    assert metrics["world_size"] == 1 and metrics["zero_stage"] == 0
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def zero2_two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero2")
+    assert_ok(torchrun(out, 2, "--zero-stage", "2", *STEPS, HPCML_EXPECTED_WORLD_SIZE="2"))
+    return read_metrics(out)
+
+
+def check_parallel_run(metrics: dict, reference: dict, stage: int, grad_accum: int) -> None:
+    # It really was parallel, and really this stage: from inside the run.
+    assert metrics["world_size"] == 2 and metrics["backend"] == "gloo" and len(metrics["hostnames"]) == 2
+    assert metrics["model_wrapper"] == "DeepSpeedEngine" and metrics["zero_stage"] == stage
+    assert metrics["ds_config"]["zero_optimization"]["stage"] == stage
+    assert metrics["ds_config"]["train_micro_batch_size_per_gpu"] == 8 // (2 * grad_accum)
+    assert metrics["param_max_abs_diff_across_ranks"] == 0.0
+    assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4, 5, 6]
+    assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
+
+
+def test_zero2_matches_one_process(reference, zero2_two_ranks):
+    check_parallel_run(zero2_two_ranks, reference, 2, 1)
+
+
+@pytest.mark.parametrize("stage, grad_accum", [(1, 1), (3, 2)])
+def test_zero_stage_matches_one_process(reference, tmp_path, stage, grad_accum):
+    assert_ok(torchrun(tmp_path, 2, "--zero-stage", str(stage), "--grad-accum", str(grad_accum), *STEPS))
+    check_parallel_run(read_metrics(tmp_path), reference, stage, grad_accum)
+
+
+def test_checkpoint_resume_reproduces_later_losses(zero2_two_ranks, tmp_path):
+    assert_ok(torchrun(tmp_path, 2, "--zero-stage", "2", *STEPS, "--stop-at-step", "3"))
+    assert read_metrics(tmp_path)["last_step"] == 3
+    checkpoints = tmp_path / "checkpoints"
+    # (DeepSpeed also puts its converters to a plain state dict there: zero_to_fp32.py and friends)
+    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == ["step_00000002", "step_00000003"]
+    # Each rank wrote its own ZeRO-2 optimizer shard.
+    assert len(list((checkpoints / "step_00000003").glob("*optim_states.pt"))) == 2
+
+    second = torchrun(tmp_path, 2, "--zero-stage", "2", *STEPS)
+    assert_ok(second)
+    assert "resumed from" in second.stdout and "(step 3)" in second.stdout
+    resumed = read_metrics(tmp_path)
+    assert resumed["resumed_from_step"] == 3
+    assert losses(resumed) == losses(zero2_two_ranks)
+
+    # The shards fit ZeRO-2 on 2 ranks only: another stage is refused before any rank starts.
+    refused = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), "--zero-stage", "3", *STEPS,
+                   "--preflight", "2"], env=recipe_env(), timeout=120)
+    assert_one_line_error(refused, "holds ZeRO-2 shards of 2 ranks; this run is ZeRO-3 on 2")
+
+
+def test_negative_control_unsynchronised_gradients_are_caught(reference, tmp_path):
+    result = torchrun(tmp_path, 2, "--zero-stage", "0", *STEPS, "--skip-grad-allreduce")
+    assert result.returncode != 0
+    assert "parameters differ across ranks" in result.stderr
+    metrics = read_metrics(tmp_path)
+    assert metrics["param_max_abs_diff_across_ranks"] > 0.0
+    assert max_relative_difference(losses(metrics), losses(reference)) > 100 * LOSS_RTOL
+
+
+def ds_config_file(tmp_path, **changes) -> str:
+    config = json.loads((REPO / "recipes" / "deepspeed" / "ds_config.json").read_text())
+    config.update(changes)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("world_size, make_args, fragments", [
+    (2, lambda tmp: ["--zero-stage", "4"], ["--zero-stage is 4: ZeRO stages are 0"]),
+    (2, lambda tmp: ["--ds-config", ds_config_file(tmp, zero_optimization={"stage": 5})],
+     ["zero_optimization.stage in", "is 5"]),
+    (4, lambda tmp: ["--ds-config", ds_config_file(tmp, train_batch_size=16, train_micro_batch_size_per_gpu=2)],
+     ["train_micro_batch_size_per_gpu 2", "x 4 ranks = 8, not the train_batch_size 16"]),
+    (3, lambda tmp: ["--global-batch", "16"], ["train_batch_size 16 is not divisible by", "--global-batch 18"]),
+    (2, lambda tmp: ["--ds-config", str(tmp / "missing.json")], ["cannot read --ds-config"]),
+])
+def test_bad_deepspeed_settings_are_refused_before_any_rank_starts(tmp_path, world_size, make_args, fragments):
+    result = run([sys.executable, str(RECIPE), *TINY, "--out-dir", str(tmp_path / "run"), *make_args(tmp_path),
+                  "--preflight", str(world_size)], env=recipe_env(), timeout=120)
+    assert_one_line_error(result, *fragments)
+    assert not (tmp_path / "run").exists()
