@@ -1,7 +1,7 @@
 """The image sanity suite: what every built image must be, checked from outside and from inside.
 
-Runs on the cpu flavor of the images in HPCML_TEST_IMAGES (default: ddp, the image of every recipe that
-exists; `make test-images-all` checks all five). Each image: runs as non-root; its labels are present and
+Runs on the cpu flavor of the images in HPCML_TEST_IMAGES (default: ddp, accelerate and deepspeed, the
+images of the recipes that exist; `make test-images-all` checks all five). Each image: runs as non-root; its labels are present and
 say what it really holds; its framework imports; MPI's hello runs on 2 ranks and MPI users load the
 image's libmpi.so.12 by default, and another one when it comes first on LD_LIBRARY_PATH (how Shifter and
 podman-hpc put Cray MPICH in place); no layer holds the build's CA bundle or a credential.
@@ -24,12 +24,19 @@ import pytest
 from conftest import REPO, build_images, container_env, run
 
 pytestmark = pytest.mark.containers
-IMAGES = os.environ.get("HPCML_TEST_IMAGES", "ddp").split()
+IMAGES = os.environ.get("HPCML_TEST_IMAGES", "ddp accelerate deepspeed").split()
 IMAGES_TOOL = ["bash", str(REPO / "containers" / "images.sh")]
 IMPORT_CHECK = {
     "ddp": "import torch; assert torch.distributed.is_available() and torch.distributed.is_gloo_available()",
     "megatron": "import megatron.core.parallel_state, megatron.core.tensor_parallel",
-    "deepspeed": "import deepspeed; from deepspeed.accelerator import get_accelerator; print(get_accelerator()._name)",
+    # The shared-memory op of DeepSpeed's CPU backend is prebuilt: loading it compiles nothing (there is no
+    # compiler in the image to do so) and leaves TORCH_EXTENSIONS_DIR empty.
+    "deepspeed": "import os, deepspeed; from deepspeed.accelerator import get_accelerator; "
+                 "from deepspeed.git_version_info import installed_ops; "
+                 "assert get_accelerator()._name == \"cpu\" and installed_ops[\"deepspeed_shm_comm\"], installed_ops; "
+                 "get_accelerator().create_op_builder(\"ShareMemCommBuilder\").load(); "
+                 "cache = os.environ[\"TORCH_EXTENSIONS_DIR\"]; "
+                 "assert not os.path.exists(cache) or not os.listdir(cache), os.listdir(cache)",
     "accelerate": "import accelerate; accelerate.Accelerator(cpu=True)",
     "horovod": "import horovod.tensorflow as hvd; hvd.init(); "
                "assert hvd.gloo_built() and hvd.mpi_built() and not hvd.nccl_built() and hvd.size() == 1",

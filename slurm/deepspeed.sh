@@ -1,0 +1,42 @@
+#!/bin/bash
+# DeepSpeed ZeRO on Perlmutter GPU nodes (2 nodes x 4 A100 by default), or on any Slurm cluster.
+#
+#   cd path/to/this/repo
+#   sbatch -A <account> -q regular slurm/deepspeed.sh                      # Shifter, ZeRO stage of ds_config.json
+#   sbatch -A <account> -q regular slurm/deepspeed.sh --zero-stage 3       # recipe arguments after the file
+#   CONTAINER_RUNTIME=podman-hpc sbatch -A <account> -q regular slurm/deepspeed.sh
+#   sbatch -N 4 slurm/deepspeed.sh --ds-config my_config.json --global-batch 256
+#
+# One srun task per rank, as slurm/ddp.sh: no `deepspeed` launcher, no ssh/pdsh hostfile. The recipe
+# takes its rank from SLURM_* (recipes/common.py), and refuses DeepSpeed batch sizes that do not fit the
+# world size before any rank starts. Publish the image first (`make push-deepspeed REGISTRY=...`,
+# `shifterimg pull docker:<registry>/hpcml/deepspeed:cuda`) and put its name in the --image line.
+# Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit and preemption: as slurm/ddp.sh
+# (checkpoint, requeue, resume with the same ZeRO stage and layout). Check first:
+#   slurm/preflight.sh slurm/deepspeed.sh --zero-stage 3
+#SBATCH -J deepspeed
+#SBATCH -C gpu
+#SBATCH -N 2
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH -t 00:30:00
+#SBATCH -o %x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
+#SBATCH --image=docker:hpcml/deepspeed:cuda
+#SBATCH --module=gpu,nccl-plugin
+
+set -euo pipefail
+# shellcheck source=slurm/lib/launch.sh
+source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
+    { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
+
+# DeepSpeed JIT-compiles missing ops into TORCH_EXTENSIONS_DIR: node-local disk, not a shared home
+# directory, whose file locks hang on NFS/Lustre (the images set the same; this covers runtime none).
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions-$(id -u)}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-$(id -u)}
+
+RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/deepspeed-$SLURM_JOB_ID}
+launch_recipe recipes/deepspeed/train.py --out-dir "$RUN_DIR" "$@"
