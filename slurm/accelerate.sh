@@ -42,10 +42,12 @@ export HPCML_ACCELERATE_CONFIG=$config
 # Run once per node, inside the container; single quotes: each node expands its own $SLURM_NODEID.
 # $0 is the image's python, "$@" the recipe and its arguments.
 # shellcheck disable=SC2016
-RECIPE_LAUNCHER='exec "$0" -m accelerate.commands.launch --config_file "$HPCML_ACCELERATE_CONFIG" \
-    --num_machines "$SLURM_JOB_NUM_NODES" --machine_rank "$SLURM_NODEID" \
-    --num_processes "$HPCML_EXPECTED_WORLD_SIZE" \
-    --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" --rdzv_backend c10d "$@"'
+{
+    RECIPE_LAUNCHER='exec "$0" -m accelerate.commands.launch --config_file "$HPCML_ACCELERATE_CONFIG"'
+    RECIPE_LAUNCHER+=' --num_machines "$SLURM_JOB_NUM_NODES" --machine_rank "$SLURM_NODEID"'
+    RECIPE_LAUNCHER+=' --num_processes "$HPCML_EXPECTED_WORLD_SIZE"'
+    RECIPE_LAUNCHER+=' --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" --rdzv_backend c10d "$@"'
+}
 
 RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/accelerate-$SLURM_JOB_ID}
 launch_recipe recipes/accelerate/train.py --launch-config "$config" --out-dir "$RUN_DIR" "$@"

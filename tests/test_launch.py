@@ -110,7 +110,8 @@ def test_podman_hpc_command():
     # Each rank's own SLURM_PROCID and the step's variables (absent where the command is built) must
     # reach its container: podman takes them, by prefix, from each task's environment.
     passed = [words[i + 1] for i, word in enumerate(words) if word == "-e"]
-    assert passed == ["SLURM_*", "MASTER_*", "NCCL_*", "TORCH_NCCL_*", "FI_*", "OMP_NUM_THREADS", "PYTHONUNBUFFERED"]
+    assert passed == ["SLURM_*", "MASTER_*", "NCCL_*", "TORCH_NCCL_*", "FI_*", "HPCML_*", "OMP_NUM_THREADS",
+                      "PYTHONUNBUFFERED"]
     assert words[words.index("me/ddp:v1") + 1 :][:2] == ["python3", f"{REPO}/recipes/ddp/train.py"]
 
 
@@ -165,3 +166,67 @@ def test_more_ranks_than_gpus_per_node_is_refused():
     error = one_line_error(launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", SLURM_GPUS_PER_NODE="a100:4",
                                   SLURM_TASKS_PER_NODE="8(x2)"))
     assert "8 tasks per node but 4 GPUs per node: one rank per GPU; use --ntasks-per-node=4" in error
+
+
+def sbatch_file(name: str, *recipe_args: str, **env: str):
+    """One of the sbatch files themselves, as Slurm would run it (a dry run: the srun line is printed)."""
+    return run(["bash", str(REPO / "slurm" / f"{name}.sh"), *recipe_args],
+               env=recipe_env(**{**JOB, "LAUNCH_DRY_RUN": "1", **env}), timeout=60, cwd=REPO)
+
+
+def test_accelerate_starts_one_launcher_per_node_that_expands_the_node_rank_there():
+    result = sbatch_file("accelerate", "--max-steps", "3", CONTAINER_RUNTIME="podman", CONTAINER_IMAGE="me/acc:v1",
+                         SLURM_CPUS_PER_TASK="32")
+    assert result.returncode == 0, result.stderr
+    words = srun_line(result)
+    # 8 ranks on 2 nodes: one task per node, with the CPUs of its 4 ranks.
+    assert words[:7] == ["srun", "-u", "--kill-on-bad-exit=1", "-N", "2", "--ntasks=2", "--ntasks-per-node=1"]
+    assert words[7] == "--cpus-per-task=128"
+    image_at = words.index("me/acc:v1")
+    assert words[image_at + 1:image_at + 3] == ["bash", "-c"]
+    script = words[image_at + 3]
+    # Single-quoted into the job: each node expands its own rank, the world comes from the allocation.
+    for per_node in ('--machine_rank "$SLURM_NODEID"', '--num_processes "$HPCML_EXPECTED_WORLD_SIZE"',
+                     '--num_machines "$SLURM_JOB_NUM_NODES"', '--rdzv_backend c10d', '--main_process_ip "$MASTER_ADDR"'):
+        assert per_node in script
+    assert words[image_at + 4:image_at + 6] == ["python3", f"{REPO}/recipes/accelerate/train.py"]
+    assert words[image_at + 6:image_at + 8] == ["--launch-config", f"{REPO}/recipes/accelerate/multi_gpu.yaml"]
+    assert words[-2:] == ["--max-steps", "3"]
+    assert "HPCML_*" in words  # HPCML_EXPECTED_WORLD_SIZE and the config path reach the container
+
+
+def test_accelerate_per_node_script_runs_as_written(tmp_path):
+    """The script the nodes run, run by bash here: it hands accelerate the node's own values."""
+    result = sbatch_file("accelerate", CONTAINER_RUNTIME="none")
+    words = srun_line(result)
+    script = words[words.index("-c") + 1]
+    fake_python = tmp_path / "python3"
+    fake_python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake_python.chmod(0o755)
+    node = run(["bash", "-c", script, str(fake_python), "recipe.py", "--x"], timeout=30,
+               env=recipe_env(SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2", HPCML_EXPECTED_WORLD_SIZE="8",
+                              HPCML_ACCELERATE_CONFIG="/c.yaml", MASTER_ADDR="nid000003", MASTER_PORT="30734"))
+    args = node.stdout.splitlines()
+    assert node.returncode == 0, node.stderr
+    assert args[:4] == ["-m", "accelerate.commands.launch", "--config_file", "/c.yaml"]
+    pairs = dict(zip(args[4::2], args[5::2]))
+    assert pairs["--machine_rank"] == "1" and pairs["--num_processes"] == "8" and pairs["--num_machines"] == "2"
+    assert pairs["--main_process_ip"] == "nid000003" and pairs["--main_process_port"] == "30734"
+    assert args[-2:] == ["recipe.py", "--x"]
+
+
+def test_accelerate_needs_the_same_ranks_on_every_node():
+    error = one_line_error(sbatch_file("accelerate", CONTAINER_RUNTIME="none", SLURM_NTASKS="7"))
+    assert "7 tasks on 2 nodes" in error and "--ntasks-per-node" in error
+
+
+def test_accelerate_config_that_does_not_exist():
+    error = one_line_error(sbatch_file("accelerate", CONTAINER_RUNTIME="none", ACCELERATE_CONFIG="nope.yaml"))
+    assert "ACCELERATE_CONFIG=" in error and "no such file" in error
+
+
+def test_deepspeed_ranks_are_srun_tasks_with_node_local_op_caches():
+    result = sbatch_file("deepspeed", "--zero-stage", "3", CONTAINER_RUNTIME="none")
+    assert result.returncode == 0, result.stderr
+    assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/deepspeed/train.py",
+                                 "--out-dir", f"{REPO}/runs/deepspeed-1234", "--zero-stage", "3"]
