@@ -39,8 +39,9 @@ config=${ACCELERATE_CONFIG:-$REPO_DIR/recipes/accelerate/multi_gpu.yaml}
 [[ -f $config ]] || launch_error "ACCELERATE_CONFIG=$config: no such file (see recipes/accelerate/*.yaml)"
 export HPCML_ACCELERATE_CONFIG=$config
 
-# Run once per node, inside the container; single quotes: each node expands its own $SLURM_NODEID.
-# $0 is the image's python, "$@" the recipe and its arguments.
+# Run once per node, inside the container (under slurm/lib/per_node.sh, which passes Slurm's SIGUSR1 and
+# SIGTERM on to the ranks); single quotes: each node expands its own $SLURM_NODEID. $0 is the image's
+# python, "$@" the recipe and its arguments.
 # shellcheck disable=SC2016
 {
     RECIPE_LAUNCHER='exec "$0" -m accelerate.commands.launch --config_file "$HPCML_ACCELERATE_CONFIG"'

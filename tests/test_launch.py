@@ -8,7 +8,13 @@ The same errors on a real job are exercised in tests/test_slurm_ddp.py.
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from conftest import REPO, recipe_env, run
 
@@ -183,7 +189,7 @@ def test_accelerate_starts_one_launcher_per_node_that_expands_the_node_rank_ther
     assert words[:7] == ["srun", "-u", "--kill-on-bad-exit=1", "-N", "2", "--ntasks=2", "--ntasks-per-node=1"]
     assert words[7] == "--cpus-per-task=128"
     image_at = words.index("me/acc:v1")
-    assert words[image_at + 1:image_at + 3] == ["bash", "-c"]
+    assert words[image_at + 1:image_at + 3] == ["bash", f"{REPO}/slurm/lib/per_node.sh"]
     script = words[image_at + 3]
     # Single-quoted into the job: each node expands its own rank, the world comes from the allocation.
     for per_node in ('--machine_rank "$SLURM_NODEID"', '--num_processes "$HPCML_EXPECTED_WORLD_SIZE"',
@@ -199,11 +205,11 @@ def test_accelerate_per_node_script_runs_as_written(tmp_path):
     """The script the nodes run, run by bash here: it hands accelerate the node's own values."""
     result = sbatch_file("accelerate", CONTAINER_RUNTIME="none")
     words = srun_line(result)
-    script = words[words.index("-c") + 1]
+    script = words[words.index(f"{REPO}/slurm/lib/per_node.sh") + 1]
     fake_python = tmp_path / "python3"
     fake_python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     fake_python.chmod(0o755)
-    node = run(["bash", "-c", script, str(fake_python), "recipe.py", "--x"], timeout=30,
+    node = run(["bash", str(REPO / "slurm" / "lib" / "per_node.sh"), script, str(fake_python), "recipe.py", "--x"], timeout=30,
                env=recipe_env(SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2", HPCML_EXPECTED_WORLD_SIZE="8",
                               HPCML_ACCELERATE_CONFIG="/c.yaml", MASTER_ADDR="nid000003", MASTER_PORT="30734"))
     args = node.stdout.splitlines()
@@ -230,3 +236,31 @@ def test_deepspeed_ranks_are_srun_tasks_with_node_local_op_caches():
     assert result.returncode == 0, result.stderr
     assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/deepspeed/train.py",
                                  "--out-dir", f"{REPO}/runs/deepspeed-1234", "--zero-stage", "3"]
+
+
+def test_per_node_script_passes_slurm_signals_to_the_ranks_not_the_launcher(tmp_path):
+    """A launcher that would die of SIGUSR1 (no handler, as torchrun's agent) survives it; its rank gets
+    the signal, and the script exits with the launcher's code."""
+    rank = tmp_path / "rank.py"
+    rank.write_text("import pathlib, signal, sys, time\n"
+                    "signal.signal(signal.SIGUSR1, lambda *_: sys.exit(3))\n"
+                    f"pathlib.Path({str(tmp_path / 'ready')!r}).touch()\n"
+                    "time.sleep(60)\n")
+    launcher = tmp_path / "launcher.py"  # exits with 10 + its rank's exit code
+    launcher.write_text("import subprocess, sys\n"
+                        "sys.exit(10 + subprocess.call([sys.executable, sys.argv[1]]))\n")
+    script = 'exec "$0" "$@"'
+    node = subprocess.Popen(["bash", str(REPO / "slurm" / "lib" / "per_node.sh"), script, sys.executable,
+                             str(launcher), str(rank)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "ready").exists():
+        assert time.monotonic() < deadline and node.poll() is None, "the rank did not start"
+        time.sleep(0.05)
+    # Bare or under Shifter, Slurm signals every process of the step, the launcher included: here too.
+    launcher_pid = int(subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()[0])
+    assert str(launcher) in Path(f"/proc/{launcher_pid}/cmdline").read_text()
+    os.kill(launcher_pid, signal.SIGUSR1)
+    node.send_signal(signal.SIGUSR1)
+    _, stderr = node.communicate(timeout=30)
+    assert node.returncode == 13, stderr  # the launcher survived and reported its rank's exit code 3
+    assert re.search(r"per_node: \S+: USR1 to rank process \d+", stderr), stderr

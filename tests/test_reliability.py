@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLUSTER_DIR, DDP_RECIPE, TINY, assert_ok, losses, read_metrics, recipe_env, run, run_single,
-                      sbatch_recipe, submit_recipe)
+from conftest import (CLUSTER_DIR, DDP_RECIPE, TINY, assert_ok, build_images, losses, read_metrics, recipe_env, run,
+                      run_single, sbatch_recipe, submit_recipe)
 
 pytestmark = pytest.mark.slurm
 
@@ -143,6 +144,39 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_on_the_same_curve(sl
     assert [r["step"] for r in metrics["history"]] == list(range(1, 401))
     # Same layout, same reductions: the interrupted curve is the uninterrupted one.
     assert losses(metrics) == losses(read_metrics(reference_dir / "run"))
+
+
+@pytest.mark.parametrize("runtime", ["none", pytest.param("podman", marks=pytest.mark.containers)])
+def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_launcher(slurm_cluster, tmp_path, runtime):
+    """slurm/accelerate.sh: Slurm signals one `accelerate launch` per node; the ranks must still checkpoint.
+
+    Bare, Slurm signals every process of the step; under podman only the podman client, which passes
+    the signal to the container's first process (slurm/lib/per_node.sh). (The requeued run is not waited
+    for: the DDP test above covers requeue and resume, and tests/test_accelerate.py the accelerate resume.)
+    """
+    env = {"CONTAINER_RUNTIME": runtime}
+    if runtime == "podman":
+        build_images("accelerate")
+        env["CONTAINER_IMAGE"] = "hpcml/accelerate:cpu"
+    job = submit_recipe(slurm_cluster, tmp_path, "accelerate", "-N", "2", "--ntasks-per-node", "1",
+                        recipe_args=LONG_RUN, **env)[1]
+    log_path = tmp_path / f"accelerate-{job}.out"
+    log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
+    wait_for(lambda: re.search(r"^\[accelerate\] step +10 ", log(), re.M), 120, "training to start")
+    assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
+    try:
+        wait_for(lambda: "requeueing job" in log(), 60, "the job to requeue itself")
+    finally:
+        run(["scancel", job], env=recipe_env(**slurm_cluster))
+    text = log()
+    assert len(re.findall(r"per_node: nid00000[12]: USR1 to rank process \d+", text)) == 2, text
+    stopped = re.search(r"\[accelerate\] stopped by SIGUSR1 after step (\d+): checkpoint written", text)
+    assert stopped, text
+    step = int(stopped.group(1))
+    assert 10 <= step < 400
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
+    assert sorted(p.name for p in checkpoint.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):

@@ -12,9 +12,10 @@
 # HPCML_EXPECTED_WORLD_SIZE (the job's task count) and refuses to train in a world of another size.
 #
 # Ranks are srun tasks (one task per rank), unless the sbatch file sets RECIPE_LAUNCHER: a bash script
-# run once per node (srun --ntasks-per-node=1), inside the runtime, as `bash -c "$RECIPE_LAUNCHER" PYTHON
-# RECIPE ARGS...`; it starts that node's ranks itself (slurm/accelerate.sh: `accelerate launch`). Write it
-# in single quotes: $SLURM_NODEID and friends must be expanded on each node, not in the batch script.
+# run once per node (srun --ntasks-per-node=1), inside the runtime, with "$0" = PYTHON and "$@" = RECIPE
+# ARGS; it starts that node's ranks itself (slurm/accelerate.sh: `accelerate launch`). Write it in single
+# quotes: $SLURM_NODEID and friends must be expanded on each node, not in the batch script. It runs under
+# slurm/lib/per_node.sh, which passes SIGUSR1 and SIGTERM on to the ranks.
 #
 # Variables (all optional; set them in the environment of `sbatch`, which passes them to the job):
 #   CONTAINER_RUNTIME  shifter | podman-hpc | podman | none
@@ -185,7 +186,8 @@ build_step() {
     # build_command puts PYTHON first; here it becomes $0 of the per-node script, the recipe and its args "$@".
     build_command container "$runtime" "$image" "$REPO_DIR/$recipe" "$@"
     local python_at=$((${#container[@]} - $# - 2))
-    container=("${container[@]:0:python_at}" bash -c "$RECIPE_LAUNCHER" "${container[@]:python_at}")
+    container=("${container[@]:0:python_at}" bash "$REPO_DIR/slurm/lib/per_node.sh" "$RECIPE_LAUNCHER"
+        "${container[@]:python_at}")
     step=(srun -u --kill-on-bad-exit=1 -N "$nodes" --ntasks="$nodes" --ntasks-per-node=1)
     # The node's launcher task needs the CPUs of all the ranks it starts.
     [[ ${SLURM_CPUS_PER_TASK:-} =~ ^[0-9]+$ ]] && step+=(--cpus-per-task=$((SLURM_CPUS_PER_TASK * tasks / nodes)))
