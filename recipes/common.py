@@ -279,14 +279,17 @@ def mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
     return float(value)
 
 
-def max_difference_across_ranks(tensors: list[torch.Tensor], world_size: int) -> float:
-    """Largest elementwise spread (max - min over ranks) of the given tensors: 0.0 when all ranks agree."""
-    flat = torch.cat([t.detach().float().flatten() for t in tensors])
-    if world_size == 1:
+def max_difference_across_ranks(tensors: list[torch.Tensor], world_size: int, group=None) -> float:
+    """Largest elementwise spread (max - min over the ranks of ``group``, default all) of the given tensors.
+
+    0.0 when all ranks agree. ``world_size`` is the size of that group.
+    """
+    if world_size == 1 or not tensors:
         return 0.0
+    flat = torch.cat([t.detach().float().flatten() for t in tensors])
     highest, lowest = flat.clone(), flat.clone()
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
     return float((highest - lowest).max())
 
 

@@ -21,5 +21,6 @@ def test_requirements_and_image_pins_agree():
     env = dict(re.findall(r"^([A-Za-z0-9_]+)=(\S*)$", (REPO / "containers" / "versions.env").read_text(), re.M))
     bare = pins(REPO / "requirements" / "cpu.txt") | pins(REPO / "requirements" / "frameworks.txt")
     image = {"torch": env["TORCH_VERSION_cpu"], "numpy": env["NUMPY_VERSION_cpu"],
-             "accelerate": env["ACCELERATE_VERSION"], "deepspeed": env["DEEPSPEED_VERSION"]}
+             "accelerate": env["ACCELERATE_VERSION"], "deepspeed": env["DEEPSPEED_VERSION"],
+             "megatron-core": env["MEGATRON_CORE_VERSION"]}
     assert {name: bare.get(name) for name in image} == image
