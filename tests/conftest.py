@@ -62,6 +62,12 @@ def losses(metrics: dict) -> list[float]:
     return [record["loss"] for record in metrics["history"]]
 
 
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    """Largest per-step relative difference of two loss curves of the same length."""
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, assert_ok, free_port, losses, read_metrics, recipe_env, run
+from conftest import REPO, TINY, assert_ok, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
 
 RECIPE = REPO / "recipes" / "accelerate" / "train.py"
 MULTI_GPU_CONFIG = REPO / "recipes" / "accelerate" / "multi_gpu.yaml"
@@ -26,11 +26,6 @@ def accelerate_launch(out_dir, nproc: int, *args: str, launcher_args: tuple[str,
            "--num_processes", str(nproc), "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
            str(RECIPE), "--out-dir", str(out_dir), *args]
     return run(cmd, env=recipe_env(**env), timeout=300)
-
-
-def max_relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")

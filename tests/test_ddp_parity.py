@@ -11,15 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_ok, losses, read_metrics, run_single, run_torchrun
+from conftest import assert_ok, losses, max_relative_difference, read_metrics, run_single, run_torchrun
 
 STEPS = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "0", "--no-resume"]
 LOSS_RTOL = 1e-5
-
-
-def max_relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def final_params(out_dir) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, assert_ok, free_port, losses, read_metrics, recipe_env, run
+from conftest import REPO, TINY, assert_ok, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
 
 RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 STEPS = [*TINY, "--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
@@ -24,11 +24,6 @@ def torchrun(out_dir, nproc: int, *args: str, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(RECIPE), "--out-dir", str(out_dir), *args]
     return run(cmd, env=recipe_env(**env), timeout=300)
-
-
-def max_relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def assert_one_line_error(result, *fragments: str) -> None:

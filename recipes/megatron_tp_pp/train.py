@@ -476,8 +476,8 @@ def main(argv: list[str] | None = None) -> int:
              if not getattr(p, "tensor_model_parallel", False)],
             layout.tp, group=parallel_state.get_tensor_model_parallel_group()),
     )
-    shim_sites = cpu_placement_shim_sites()
-    metrics.write({"param_max_abs_diff_across_replicas": spread, "last_step": last_step,
+    shim_sites = cpu_placement_shim_sites(env.world_size)
+    metrics.write({"param_max_abs_diff_across_ranks": spread, "last_step": last_step,
                    "stopped_early": last_step < args.max_steps, "cpu_placement_shim_sites": shim_sites,
                    "stopped_by_signal": signal.Signals(stopped_by).name if stopped_by else None})
     if is_logging_rank:
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
               f"metrics in {metrics.path}", flush=True)
     # As in the DDP recipe: drop what holds the process groups before destroying them.
     dist.barrier()
-    del model_chunks, optimizer
+    model_chunks = optimizer = None  # (the DDP buffers and the optimizer hold the groups)
     gc.collect()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -524,10 +524,17 @@ def count_global_parameters(model_chunks, layout: Layout, tied: bool, device: to
     return int(round(count.item()))
 
 
-def cpu_placement_shim_sites() -> list[str] | None:
-    """What the CPU shim rewrote in this run (the tests check it against their allow-list); None on GPU."""
+def cpu_placement_shim_sites(world_size: int) -> list[str] | None:
+    """What the CPU shim rewrote on any rank of this run (the tests check it against their allow-list).
+
+    None on GPU, where the shim is never loaded. Every rank calls this (a collective).
+    """
     shim = sys.modules.get("cpu_placement_shim")
-    return shim.sites() if shim is not None and shim.is_enabled() else None
+    if shim is None or not shim.is_enabled():
+        return None
+    per_rank: list[list[str] | None] = [None] * world_size
+    dist.all_gather_object(per_rank, shim.sites())
+    return sorted({site for sites in per_rank for site in sites})
 
 
 if __name__ == "__main__":
