@@ -108,8 +108,10 @@ def submit_recipe(cluster: dict, tmp_path: Path, recipe: str, *options: str, rec
                   **env: str) -> tuple[int, str]:
     """sbatch slurm/<recipe>.sh (add "--wait" to options to wait); returns (sbatch's exit code, job id)."""
     run_env = container_env(**{**cluster, "CONTAINER_RUNTIME": "none", "RUN_DIR": str(tmp_path / "run"), **env})
-    result = run(["sbatch", "--parsable", "-o", str(tmp_path / "%x-%j.out"), *options,
-                  str(REPO / "slurm" / f"{recipe}.sh"), *recipe_args], env=run_env, cwd=REPO, timeout=400)
+    # A 5-minute limit (options may set another): a job that hangs ends as TIMEOUT and frees its nodes
+    # for the next test, well before this call gives up waiting on it.
+    result = run(["sbatch", "--parsable", "-t", "5", "-o", str(tmp_path / "%x-%j.out"), *options,
+                  str(REPO / "slurm" / f"{recipe}.sh"), *recipe_args], env=run_env, cwd=REPO, timeout=420)
     job_id = result.stdout.strip().split(";")[0]
     assert job_id.isdigit(), f"sbatch did not submit:\n{result.stdout}\n{result.stderr}"
     return result.returncode, job_id

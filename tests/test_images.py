@@ -1,6 +1,6 @@
 """The image sanity suite: what every built image must be, checked from outside and from inside.
 
-Runs on the cpu flavor of the images in HPCML_TEST_IMAGES (default: ddp, accelerate and deepspeed, the
+Runs on the cpu flavor of the images in HPCML_TEST_IMAGES (default: ddp, accelerate, deepspeed, megatron, the
 images of the recipes that exist; `make test-images-all` checks all five). Each image: runs as non-root; its labels are present and
 say what it really holds; its framework imports; MPI's hello runs on 2 ranks and MPI users load the
 image's libmpi.so.12 by default, and another one when it comes first on LD_LIBRARY_PATH (how Shifter and
@@ -24,11 +24,13 @@ import pytest
 from conftest import REPO, build_images, container_env, run
 
 pytestmark = pytest.mark.containers
-IMAGES = os.environ.get("HPCML_TEST_IMAGES", "ddp accelerate deepspeed").split()
+IMAGES = os.environ.get("HPCML_TEST_IMAGES", "ddp accelerate deepspeed megatron").split()
 IMAGES_TOOL = ["bash", str(REPO / "containers" / "images.sh")]
 IMPORT_CHECK = {
     "ddp": "import torch; assert torch.distributed.is_available() and torch.distributed.is_gloo_available()",
-    "megatron": "import megatron.core.parallel_state, megatron.core.tensor_parallel",
+    # psutil: megatron's checkpoint writers need it undeclared. The CPU shim ships with the recipe.
+    "megatron": "import psutil, megatron.core.parallel_state, megatron.core.tensor_parallel, sys; "
+                "sys.path.insert(0, \"/opt/hpcml/recipes/megatron_tp_pp\"); import cpu_placement_shim",
     # The shared-memory op of DeepSpeed's CPU backend is prebuilt: loading it compiles nothing (there is no
     # compiler in the image to do so) and leaves TORCH_EXTENSIONS_DIR empty.
     "deepspeed": "import os, deepspeed; from deepspeed.accelerator import get_accelerator; "

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, recipe_env, run
 
 JOB = dict(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="nid[000003-000004]", SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="8",
@@ -236,6 +238,17 @@ def test_deepspeed_ranks_are_srun_tasks_with_node_local_op_caches():
     assert result.returncode == 0, result.stderr
     assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/deepspeed/train.py",
                                  "--out-dir", f"{REPO}/runs/deepspeed-1234", "--zero-stage", "3"]
+
+
+@pytest.mark.parametrize("tasks_env", [{"SLURM_NTASKS_PER_NODE": "4"}, {"SLURM_TASKS_PER_NODE": "4(x2)"}])
+def test_megatron_puts_tp_inside_a_node_and_pp_across_nodes_unless_told_otherwise(tasks_env):
+    result = sbatch_file("megatron_tp_pp", "--num-layers", "8", CONTAINER_RUNTIME="none", **tasks_env)
+    assert result.returncode == 0, result.stderr
+    assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/megatron_tp_pp/train.py",
+                                 "--tp", "4", "--pp", "2", "--out-dir", f"{REPO}/runs/megatron_tp_pp-1234", "--num-layers", "8"]
+    # The user's --tp/--pp come after the defaults: argparse keeps the last one.
+    override = sbatch_file("megatron_tp_pp", "--tp", "2", "--pp", "4", CONTAINER_RUNTIME="none", **tasks_env)
+    assert srun_line(override)[-4:] == ["--tp", "2", "--pp", "4"]
 
 
 def test_per_node_script_passes_slurm_signals_to_the_ranks_not_the_launcher(tmp_path):

@@ -22,5 +22,5 @@ def test_requirements_and_image_pins_agree():
     bare = pins(REPO / "requirements" / "cpu.txt") | pins(REPO / "requirements" / "frameworks.txt")
     image = {"torch": env["TORCH_VERSION_cpu"], "numpy": env["NUMPY_VERSION_cpu"],
              "accelerate": env["ACCELERATE_VERSION"], "deepspeed": env["DEEPSPEED_VERSION"],
-             "megatron-core": env["MEGATRON_CORE_VERSION"]}
+             "megatron-core": env["MEGATRON_CORE_VERSION"], "psutil": env["PSUTIL_VERSION"]}
     assert {name: bare.get(name) for name in image} == image

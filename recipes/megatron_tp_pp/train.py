@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import re
@@ -128,6 +129,9 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
         raise common.ConfigError(f"--checkpoint-every must be 0 (only at the end) or more, got {args.checkpoint_every}")
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
         raise common.ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
+    if importlib.util.find_spec("psutil") is None:  # megatron-core uses it undeclared; its save hangs without
+        raise common.ConfigError("psutil is not installed, and megatron-core's checkpoint writer needs it: "
+                                 "pip install psutil (the megatron image has it)")
     tp, pp = args.tp, args.pp
     if world_size % (tp * pp):
         raise common.ConfigError(
