@@ -179,6 +179,33 @@ def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_laun
     assert sorted(p.name for p in checkpoint.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
 
 
+def test_megatron_time_limit_signal_writes_a_distributed_checkpoint_across_the_pipeline(slurm_cluster, tmp_path):
+    """slurm/megatron_tp_pp.sh on 2 nodes x 1 task (PP 2 across the nodes): at SIGUSR1 both stages agree on
+    the step, write their shards of one distributed checkpoint, and the job requeues itself. (The resume
+    itself, in the same and in another layout, is covered by tests/test_megatron.py.)"""
+    job = submit_recipe(slurm_cluster, tmp_path, "megatron_tp_pp", "-N", "2", "--ntasks-per-node", "1",
+                        recipe_args=["--seq-len", "32", "--max-steps", "2000", "--checkpoint-every", "0",
+                                     "--log-every", "10"])[1]
+    log_path = tmp_path / f"megatron_tp_pp-{job}.out"
+    log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
+    wait_for(lambda: re.search(r"^\[megatron_tp_pp\] step +10 ", log(), re.M), 180, "training to start")
+    assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
+    try:
+        wait_for(lambda: "requeueing job" in log(), 90, "the job to requeue itself")
+    finally:
+        run(["scancel", job], env=recipe_env(**slurm_cluster))
+    text = log()
+    assert "TP=1 PP=2 DP=1" in text and "hosts=nid000001,nid000002" in text, text
+    stopped = re.search(r"\[megatron_tp_pp\] stopped by SIGUSR1 after step (\d+): checkpoint written", text)
+    assert stopped, text
+    step = int(stopped.group(1))
+    assert 10 <= step < 2000
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
+    assert (checkpoint / "metadata.json").exists() and list(checkpoint.glob("*.distcp"))
+    assert not list((tmp_path / "run" / "checkpoints").glob(".step_*.partial"))
+
+
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
     args = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"

@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         run_info={**common.describe_run(env, backend, device, type(model_chunks[0]).__name__), "hostnames": hostnames,
                   "layout": layout_info, "n_params": n_params, "megatron_core_version": megatron_version,
                   "optimizer": type(optimizer).__name__, "dtype": str(dtype), "config": vars(args),
+                  "layer_spec": "transformer_engine" if use_te else "local",
                   "cpu_placement_shim": device.type == "cpu", "resumed_from_step": start_step or None},
     )
     if is_logging_rank:
