@@ -24,7 +24,7 @@ help:
 	@echo "images:  make build-IMAGE | push-IMAGE REGISTRY=... | pull-IMAGE REGISTRY=... | versions IMAGE=..."
 	@echo "         build-all, base-rootfs, pin-cuda-bases   (IMAGE: $(IMAGES); FLAVOR=cpu|cuda)"
 	@echo "tests:   test-unit test-slurm test-images test-images-all hadolint shellcheck"
-	@echo "bench:   bench (about 10 min), bench-quick; gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
+	@echo "bench:   bench (about 30 min), bench-quick; gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
 	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
 
 venv: $(VENV)/.installed

@@ -1,19 +1,23 @@
 """Benchmarks: what the stack costs and how it scales, as ratios of runs measured side by side in one go.
 
-    python bench/run.py                 # the full run (about 10 minutes on 2 cores): make bench
-    python bench/run.py --quick         # tiny sizes, one repeat (about 1 minute): make bench-quick, the tests
+    python bench/run.py                 # the full run (about 30 minutes on 2 cores): make bench
+    python bench/run.py --quick         # tiny sizes, one repeat (a few minutes): make bench-quick, the tests
     python bench/run.py --no-containers # without podman
+    python bench/run.py --recipes ddp megatron_tp_pp
 
 This machine is shared and noisy, so absolute numbers mean little here: every figure that matters is a
 ratio of two measurements taken alternately (A, B, A, B, ...) in the same run, each process with one thread.
 Per-step throughput is the median over the steps after warm-up, from the step times the runs record.
+For each recipe (ddp, accelerate, deepspeed, megatron_tp_pp):
 
-- overhead:   the DDP recipe on 1 process against bench/bare_loop.py (same model, data, batch, optimizer)
-- scaling:    weak scaling 1 -> 2 gloo ranks at a fixed per-rank batch; efficiency = t(1 rank)/t(2 ranks)
-- container:  the recipe bare against the same recipe in hpcml/ddp:cpu (podman): start-up and throughput
-- images:     size of each cpu image, cold build time (full run), rebuild after a one-line recipe edit
+- overhead:   the recipe on 1 process against a bare PyTorch loop on the same model, data, batch and
+              optimizer (bench/bare_loop.py; bench/bare_megatron_loop.py for megatron-core's GPT)
+- scaling:    weak scaling 1 -> 2 gloo ranks (data parallel) at a fixed per-rank batch;
+              efficiency = t(1 rank)/t(2 ranks)
+- container:  the recipe bare against the same recipe in its cpu image (podman): start-up and throughput
 - mfu:        the recipe's MFU (6N + 12*L*d*T FLOPs per token against a matmul peak measured in the run)
 
+and once: images: size of each cpu image, cold build time (full run), rebuild after a one-line recipe edit.
 Writes OUT/bench.json, OUT/loss_curves.png, OUT/throughput.png, OUT/scaling.png and OUT/RESULTS.md.
 """
 
@@ -29,19 +33,48 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "ddp" / "train.py"
-IMAGE = "hpcml/ddp:cpu"
 TARGETS = {"overhead_ratio": 0.97, "recipe_edit_rebuild_s": 5.0}
 WARMUP_STEPS = 2
 
 
-def model_args(quick: bool) -> list[str]:
-    if quick:
-        return ["--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32"]
-    return ["--seq-len", "128", "--n-layer", "4", "--n-head", "4", "--n-embd", "128"]
+@dataclass(frozen=True)
+class Subject:
+    """A recipe under benchmark: its image, its bare-loop twin, and how its options name the model."""
+
+    recipe: str
+    image: str
+    bare_loop: str
+    gpt_options: bool  # the PyTorch recipes' GPT (--n-layer ...); otherwise Megatron-LM's names
+    extra: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> Path:
+        return REPO / "recipes" / self.recipe / "train.py"
+
+    def model_args(self, quick: bool) -> list[str]:
+        layers, width, heads, seq = (2, 32, 2, 32) if quick else (4, 128, 4, 128)
+        if self.gpt_options:
+            return ["--seq-len", str(seq), "--n-layer", str(layers), "--n-head", str(heads), "--n-embd", str(width)]
+        return ["--seq-len", str(seq), "--num-layers", str(layers), "--num-heads", str(heads), "--hidden-size", str(width)]
+
+    def batch_args(self, per_rank_batch: int, ranks: int) -> list[str]:
+        args = ["--global-batch", str(per_rank_batch * ranks)]
+        if not self.gpt_options:  # Megatron: one micro-batch per rank and step, as the bare loop's one batch
+            args += ["--micro-batch", str(per_rank_batch)]
+        return args
+
+
+SUBJECTS = {
+    "ddp": Subject("ddp", "ddp", "bare_loop.py", True),
+    "accelerate": Subject("accelerate", "accelerate", "bare_loop.py", True),
+    "deepspeed": Subject("deepspeed", "deepspeed", "bare_loop.py", True, ("--zero-stage", "2")),
+    # No clipping: the bare loop does not clip either.
+    "megatron_tp_pp": Subject("megatron_tp_pp", "megatron", "bare_megatron_loop.py", False, ("--clip-grad", "0")),
+}
 
 
 def environment() -> dict[str, str]:
@@ -66,18 +99,18 @@ def steady_samples_per_s(history: list[dict]) -> float:
     return statistics.median(r["samples_per_s"] for r in history[WARMUP_STEPS:])
 
 
-def recipe_run(work: Path, name: str, args: list[str], nproc: int = 1, container: bool = False) -> dict:
+def recipe_run(subject: Subject, work: Path, name: str, args: list[str], nproc: int = 1, container: bool = False) -> dict:
     out = work / name
-    recipe_args = ["--out-dir", str(out), "--no-resume", "--checkpoint-every", "0", "--log-every", "1000", *args]
+    recipe_args = ["--out-dir", str(out), "--no-resume", "--checkpoint-every", "0", "--log-every", "1000", *subject.extra, *args]
     if container:
         cmd = ["podman", "run", "--rm", "--network=host", "-e", "OMP_NUM_THREADS", "-v", f"{REPO}:{REPO}",
-               "-v", f"{work}:{work}", "-w", str(REPO), "--user", f"{os.getuid()}:{os.getgid()}", IMAGE,
-               "python3", str(RECIPE), *recipe_args]
+               "-v", f"{work}:{work}", "-w", str(REPO), "--user", f"{os.getuid()}:{os.getgid()}",
+               f"hpcml/{subject.image}:cpu", "python3", str(subject.path), *recipe_args]
     elif nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(RECIPE),
-               *recipe_args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(subject.path), *recipe_args]
     else:
-        cmd = [sys.executable, str(RECIPE), *recipe_args]
+        cmd = [sys.executable, str(subject.path), *recipe_args]
     wall = run(cmd)
     metrics = json.loads((out / "metrics.json").read_text())
     train_s = sum(r["step_time_s"] for r in metrics["history"])
@@ -87,9 +120,10 @@ def recipe_run(work: Path, name: str, args: list[str], nproc: int = 1, container
             "peak_flops_per_device": metrics["summary"]["peak_flops_per_device"], "peak_source": metrics["summary"]["peak_source"]}
 
 
-def bare_run(work: Path, name: str, args: list[str]) -> dict:
+def bare_run(subject: Subject, work: Path, name: str, model_args: list[str], batch: int, steps: int) -> dict:
     out = work / f"{name}.json"
-    wall = run([sys.executable, str(REPO / "bench" / "bare_loop.py"), "--out", str(out), *args])
+    wall = run([sys.executable, str(REPO / "bench" / subject.bare_loop), "--out", str(out), *model_args,
+                "--global-batch", str(batch), "--max-steps", str(steps)])
     history = json.loads(out.read_text())["history"]
     return {"wall_s": wall, "samples_per_s": steady_samples_per_s(history), "losses": [r["loss"] for r in history]}
 
@@ -112,9 +146,11 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def bench_overhead(work: Path, args: list[str], repeats: int) -> dict:
-    recipe, bare = paired(lambda i: recipe_run(work, f"overhead-recipe-{i}", args),
-                          lambda i: bare_run(work, f"overhead-bare-{i}", args), repeats)
+def bench_overhead(subject: Subject, work: Path, model_args: list[str], batch: int, steps: int, repeats: int) -> dict:
+    args = [*model_args, *subject.batch_args(batch, 1), "--max-steps", str(steps)]
+    recipe, bare = paired(lambda i: recipe_run(subject, work, f"{subject.recipe}-overhead-recipe-{i}", args),
+                          lambda i: bare_run(subject, work, f"{subject.recipe}-overhead-bare-{i}", model_args, batch, steps),
+                          repeats)
     result = ratio_summary([r["samples_per_s"] for r in recipe], [b["samples_per_s"] for b in bare])
     return {**result, "target": TARGETS["overhead_ratio"], "meets_target": result["ratio"] >= TARGETS["overhead_ratio"],
             "recipe_samples_per_s": [r["samples_per_s"] for r in recipe], "bare_samples_per_s": [b["samples_per_s"] for b in bare],
@@ -123,11 +159,14 @@ def bench_overhead(work: Path, args: list[str], repeats: int) -> dict:
             "losses": {"recipe": recipe[0]["losses"], "bare": bare[0]["losses"]}, "_recipe": recipe}
 
 
-def bench_scaling(work: Path, args: list[str], per_rank_batch: int, repeats: int) -> dict:
-    one, two = paired(lambda i: recipe_run(work, f"scaling-1-{i}", [*args, "--global-batch", str(per_rank_batch)]),
-                      lambda i: recipe_run(work, f"scaling-2-{i}", [*args, "--global-batch", str(2 * per_rank_batch)], nproc=2),
-                      repeats)
-    assert all(r["world_size"] == 2 for r in two), "the 2-rank runs did not form a world of 2"
+def bench_scaling(subject: Subject, work: Path, model_args: list[str], per_rank_batch: int, steps: int, repeats: int) -> dict:
+    one, two = paired(
+        lambda i: recipe_run(subject, work, f"{subject.recipe}-scaling-1-{i}",
+                             [*model_args, *subject.batch_args(per_rank_batch, 1), "--max-steps", str(steps)]),
+        lambda i: recipe_run(subject, work, f"{subject.recipe}-scaling-2-{i}",
+                             [*model_args, *subject.batch_args(per_rank_batch, 2), "--max-steps", str(steps)], nproc=2),
+        repeats)
+    assert all(r["world_size"] == 2 for r in two), f"{subject.recipe}: the 2-rank runs did not form a world of 2"
     # t(1)/t(2) per step at the same per-rank work = (samples/s with 2 ranks / 2) / samples/s with 1.
     result = ratio_summary([r["samples_per_s"] / 2 for r in two], [r["samples_per_s"] for r in one])
     return {"efficiency": result["ratio"], "efficiencies": result["ratios"], "per_rank_batch": per_rank_batch,
@@ -135,17 +174,34 @@ def bench_scaling(work: Path, args: list[str], per_rank_batch: int, repeats: int
             "threads_per_rank": 1, "losses_2_ranks": two[0]["losses"]}
 
 
-def bench_container(work: Path, args: list[str], repeats: int) -> dict:
-    bare, boxed = paired(lambda i: recipe_run(work, f"container-bare-{i}", args),
-                         lambda i: recipe_run(work, f"container-podman-{i}", args, container=True), repeats)
-    assert all(r["container"] == "podman" for r in boxed), "the container runs did not run in podman"
+def bench_container(subject: Subject, work: Path, model_args: list[str], batch: int, steps: int, repeats: int) -> dict:
+    args = [*model_args, *subject.batch_args(batch, 1), "--max-steps", str(steps)]
+    bare, boxed = paired(lambda i: recipe_run(subject, work, f"{subject.recipe}-container-bare-{i}", args),
+                         lambda i: recipe_run(subject, work, f"{subject.recipe}-container-podman-{i}", args, container=True),
+                         repeats)
+    assert all(r["container"] == "podman" for r in boxed), f"{subject.recipe}: the container runs did not run in podman"
     throughput = ratio_summary([r["samples_per_s"] for r in boxed], [r["samples_per_s"] for r in bare])
     startup = ratio_summary([r["startup_s"] for r in boxed], [r["startup_s"] for r in bare])
-    return {"throughput_ratio": throughput["ratio"], "throughput_ratios": throughput["ratios"],
+    return {"image": f"hpcml/{subject.image}:cpu", "throughput_ratio": throughput["ratio"], "throughput_ratios": throughput["ratios"],
             "startup_ratio": startup["ratio"], "startup_ratios": startup["ratios"],
             "startup_s_bare": [r["startup_s"] for r in bare], "startup_s_podman": [r["startup_s"] for r in boxed],
             "samples_per_s_bare": [r["samples_per_s"] for r in bare], "samples_per_s_podman": [r["samples_per_s"] for r in boxed],
             "losses_podman": boxed[0]["losses"], "loss_max_rel_diff": max_rel_diff(boxed[0]["losses"], bare[0]["losses"])}
+
+
+def bench_recipe(subject: Subject, work: Path, quick: bool, repeats: int, steps: int, batch: int, containers: bool) -> dict:
+    model_args = subject.model_args(quick)
+    print(f"bench: {subject.recipe}: overhead (recipe vs bare loop) ...", flush=True)
+    result = {"model_args": model_args, "overhead": bench_overhead(subject, work, model_args, batch, steps, repeats)}
+    recipe_runs = result["overhead"].pop("_recipe")
+    result["mfu"] = {"mfu": statistics.median(r["mfu"] for r in recipe_runs), "peak_flops_per_device": recipe_runs[0]["peak_flops_per_device"],
+                     "peak_source": recipe_runs[0]["peak_source"], "formula": "tokens/s * (6N + 12*L*d*T) / peak"}
+    print(f"bench: {subject.recipe}: weak scaling 1 -> 2 ranks ...", flush=True)
+    result["scaling"] = bench_scaling(subject, work, model_args, batch, steps, repeats)
+    if containers:
+        print(f"bench: {subject.recipe}: container cost (hpcml/{subject.image}:cpu) ...", flush=True)
+        result["container"] = bench_container(subject, work, model_args, batch, steps, repeats)
+    return result
 
 
 def bench_images(cold: bool) -> dict:
@@ -178,64 +234,75 @@ def plot(results: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    curves = {"bare loop": results["overhead"]["losses"]["bare"], "recipe, 1 process": results["overhead"]["losses"]["recipe"],
-              "recipe, 2 ranks (2x batch)": results["scaling"]["losses_2_ranks"]}
-    if results.get("container"):
-        curves["recipe in podman"] = results["container"]["losses_podman"]
-    for label, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=label, linestyle="--" if "podman" in label else "-")
-    ax.set(xlabel="step", ylabel="loss", title="Loss curves")
-    ax.legend()
+    recipes = results["recipes"]
+    fig, axes = plt.subplots(1, len(recipes), figsize=(4.5 * len(recipes), 4), squeeze=False)
+    for ax, (name, r) in zip(axes[0], recipes.items()):
+        curves = {"bare loop": r["overhead"]["losses"]["bare"], "recipe, 1 process": r["overhead"]["losses"]["recipe"],
+                  "recipe, 2 ranks (2x batch)": r["scaling"]["losses_2_ranks"]}
+        if r.get("container"):
+            curves["recipe in podman"] = r["container"]["losses_podman"]
+        for label, losses in curves.items():
+            ax.plot(range(1, len(losses) + 1), losses, label=label, linestyle="--" if "podman" in label else "-")
+        ax.set(xlabel="step", ylabel="loss", title=name)
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle("Loss curves")
     fig.tight_layout()
     fig.savefig(out / "loss_curves.png", dpi=100)
     plt.close(fig)
 
-    bars = {"bare loop": statistics.median(results["overhead"]["bare_samples_per_s"]),
-            "recipe": statistics.median(results["overhead"]["recipe_samples_per_s"])}
-    if results.get("container"):
-        bars["recipe in podman"] = statistics.median(results["container"]["samples_per_s_podman"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(list(bars), list(bars.values()), color="tab:blue")
-    ax.set(ylabel="samples/s (1 process, 1 thread)", title="Throughput")
+    # Throughput relative to each recipe's own bare loop (the models differ in size between recipes).
+    fig, ax = plt.subplots(figsize=(1.8 * len(recipes) + 3, 4))
+    width = 0.27
+    for offset, (label, key) in enumerate((("recipe / bare loop", "overhead"), ("podman / bare", "container"))):
+        values = [r[key]["ratio" if key == "overhead" else "throughput_ratio"] if r.get(key) else 0.0 for r in recipes.values()]
+        ax.bar([i + (offset - 0.5) * width for i in range(len(recipes))], values, width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(TARGETS["overhead_ratio"], color="tab:red", linewidth=0.8, linestyle=":", label="overhead target")
+    ax.set_xticks(range(len(recipes)), list(recipes))
+    ax.set(ylabel="throughput ratio (1 process, 1 thread)", title="Throughput", ylim=(0, 1.3))
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=100)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(5, 4))
-    ax.bar(["1 rank", "2 ranks"], [1.0, results["scaling"]["efficiency"]], color=["tab:gray", "tab:green"])
+    fig, ax = plt.subplots(figsize=(1.5 * len(recipes) + 2, 4))
+    ax.bar(list(recipes), [r["scaling"]["efficiency"] for r in recipes.values()], color="tab:green")
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set(ylabel="weak-scaling efficiency t(1)/t(2)", ylim=(0, 1.2), title="Weak scaling (gloo, CPU)")
+    ax.set(ylabel="weak-scaling efficiency t(1)/t(2)", ylim=(0, 1.2), title="Weak scaling 1 -> 2 ranks (gloo, CPU)")
     fig.tight_layout()
     fig.savefig(out / "scaling.png", dpi=100)
     plt.close(fig)
 
 
 def markdown(results: dict) -> str:
-    o, s, c, i, m = (results["overhead"], results["scaling"], results.get("container"), results.get("images"), results["mfu"])
+    recipes, images = results["recipes"], results.get("images")
     ok = lambda flag: "yes" if flag else "**no**"  # noqa: E731
     spread = lambda values: f" ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else ""  # noqa: E731
-    rows = [
-        ("overhead: recipe / bare loop throughput (1 process)", f"{o['ratio']:.3f}{spread(o['ratios'])}", f"≥ {o['target']}",
-         ok(o["meets_target"])),
-        ("weak scaling 1 → 2 ranks, efficiency t(1)/t(2)", f"{s['efficiency']:.3f}{spread(s['efficiencies'])}", "", ""),
+    per_recipe = [
+        ("overhead: recipe / bare loop throughput (1 process)", f"≥ {TARGETS['overhead_ratio']}",
+         lambda r: f"{r['overhead']['ratio']:.3f}{spread(r['overhead']['ratios'])} {'' if r['overhead']['meets_target'] else '(below)'}"),
+        ("weak scaling 1 → 2 ranks, efficiency t(1)/t(2)", "",
+         lambda r: f"{r['scaling']['efficiency']:.3f}{spread(r['scaling']['efficiencies'])}"),
+        ("container: podman / bare throughput", "",
+         lambda r: f"{r['container']['throughput_ratio']:.3f}{spread(r['container']['throughput_ratios'])}" if r.get("container") else "–"),
+        ("container: podman / bare start-up time", "",
+         lambda r: f"{r['container']['startup_ratio']:.2f}{spread(r['container']['startup_ratios'])}" if r.get("container") else "–"),
+        ("MFU on CPU (peak measured in the run)", "", lambda r: f"{100 * r['mfu']['mfu']:.1f}%"),
     ]
-    if c:
-        rows += [("container: podman / bare throughput", f"{c['throughput_ratio']:.3f}{spread(c['throughput_ratios'])}", "", ""),
-                 ("container: podman / bare start-up time", f"{c['startup_ratio']:.2f}{spread(c['startup_ratios'])}", "", "")]
-    if i:
-        rows += [("image: rebuild after a one-line recipe edit (s)", f"{i['recipe_edit_rebuild_s']:.1f}",
-                  f"≤ {i['target_rebuild_s']}", ok(i["meets_target"]))]
-        if i["cold_build_s"] is not None:
-            rows.append((f"image: cold build of ddp ({i['cold_build_scope']}) (s)", f"{i['cold_build_s']:.0f}", "", ""))
-        rows += [(f"image size: {name} (MB)", f"{size:.0f}", "", "") for name, size in i["size_mb"].items()]
-    rows.append(("MFU of the recipe on CPU (peak measured in the run)", f"{100 * m['mfu']:.1f}%", "", ""))
     meta = results["meta"]
     lines = [f"# Benchmark results ({meta['mode']} run, {meta['date']}, {meta['cpus']} CPUs, torch {meta['torch']}, "
-             f"commit {meta['commit']})", "", f"Ratios of runs measured alternately in one run ({meta['repeats']} pairs): the median, "
-             "and in brackets the lowest and highest pair. See bench/run.py.", "",
-             "| measure | value | target | met |", "|---|---|---|---|"]
-    lines += [f"| {a} | {b} | {t} | {k} |" for a, b, t, k in rows]
+             f"commit {meta['commit']})", "", f"Ratios of runs measured alternately in one run ({meta['repeats']} pairs of "
+             f"{meta['steps']} steps): the median, and in brackets the lowest and highest pair. See bench/run.py.", "",
+             "| measure | " + " | ".join(recipes) + " | target |", "|---|" + "---|" * len(recipes) + "---|"]
+    lines += [f"| {label} | " + " | ".join(cell(r) for r in recipes.values()) + f" | {target} |"
+              for label, target, cell in per_recipe]
+    if images:
+        lines += ["", "| image | value | target | met |", "|---|---|---|---|",
+                  f"| rebuild of ddp after a one-line recipe edit (s) | {images['recipe_edit_rebuild_s']:.1f} | "
+                  f"≤ {images['target_rebuild_s']} | {ok(images['meets_target'])} |"]
+        if images["cold_build_s"] is not None:
+            lines.append(f"| cold build of ddp ({images['cold_build_scope']}) (s) | {images['cold_build_s']:.0f} | | |")
+        lines += [f"| size: {name} (MB) | {size:.0f} | | |" for name, size in images["size_mb"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -243,33 +310,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes and one repeat (the test suite's run)")
     p.add_argument("--no-containers", action="store_true", help="skip the podman and image measurements")
+    p.add_argument("--recipes", nargs="+", choices=list(SUBJECTS), default=list(SUBJECTS))
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     args = p.parse_args()
     import torch
 
     quick = args.quick
-    # Full: 5 pairs of 100-step runs; on this shared 2-core machine single pairs scatter by +-7 %.
-    repeats, steps, batch = (1, 10, 4) if quick else (5, 100, 8)
-    sizes = model_args(quick)
-    common_args = [*sizes, "--max-steps", str(steps), "--global-batch", str(batch)]
+    # Full: 5 pairs of 60-step runs; on this shared 2-core machine single pairs scatter by +-7 %.
+    repeats, steps, batch = (1, 10, 4) if quick else (5, 60, 8)
     args.out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     results = {"meta": {"mode": "quick" if quick else "full", "date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
                         "torch": torch.__version__, "commit": commit or "unknown", "repeats": repeats, "steps": steps,
-                        "warmup_steps_excluded": WARMUP_STEPS, "model_args": sizes, "threads_per_process": 1}}
+                        "per_rank_batch": batch, "warmup_steps_excluded": WARMUP_STEPS, "threads_per_process": 1},
+               "recipes": {}}
+    if not args.no_containers:
+        print("bench: image build times and sizes ...", flush=True)
+        results["images"] = bench_images(cold=not quick)
+        # Every image the container runs use, up to date with this checkout (from cache when unchanged).
+        run(["bash", str(REPO / "containers" / "images.sh"), "build", *sorted({SUBJECTS[r].image for r in args.recipes})],
+            timeout=3600)
     with tempfile.TemporaryDirectory(prefix="hpcml-bench-") as tmp:
-        work = Path(tmp)
-        print("bench: overhead (recipe vs bare loop) ...", flush=True)
-        results["overhead"] = bench_overhead(work, common_args, repeats)
-        recipe_runs = results["overhead"].pop("_recipe")
-        results["mfu"] = {"mfu": statistics.median(r["mfu"] for r in recipe_runs), "peak_flops_per_device": recipe_runs[0]["peak_flops_per_device"],
-                          "peak_source": recipe_runs[0]["peak_source"], "formula": "tokens/s * (6N + 12*L*d*T) / peak"}
-        print("bench: weak scaling 1 -> 2 ranks ...", flush=True)
-        results["scaling"] = bench_scaling(work, [*sizes, "--max-steps", str(steps)], batch, repeats)
-        if not args.no_containers:
-            print(f"bench: container cost ({IMAGE}) and image build times ...", flush=True)
-            results["images"] = bench_images(cold=not quick)  # first: builds the image the container runs use
-            results["container"] = bench_container(work, common_args, repeats)
+        for name in args.recipes:
+            results["recipes"][name] = bench_recipe(SUBJECTS[name], Path(tmp), quick, repeats, steps, batch,
+                                                    containers=not args.no_containers)
     plot(results, args.out)
     (args.out / "RESULTS.md").write_text(markdown(results))
     (args.out / "bench.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -15,33 +15,38 @@ pytestmark = pytest.mark.containers
 
 
 def test_quick_benchmark_writes_json_figures_and_table(tmp_path):
-    build_images("ddp")
     result = run([sys.executable, str(REPO / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
-                 env=container_env(), timeout=900)
+                 env=container_env(), timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     bench = json.loads((tmp_path / "bench.json").read_text())
-    assert set(bench) == {"meta", "overhead", "mfu", "scaling", "images", "container"}
+    assert set(bench) == {"meta", "recipes", "images"}
     assert bench["meta"]["mode"] == "quick" and bench["meta"]["threads_per_process"] == 1
+    # Every recipe that exists is measured.
+    assert set(bench["recipes"]) == {path.parent.name for path in (REPO / "recipes").glob("*/train.py")}
 
-    overhead = bench["overhead"]
-    pairs = [r / b for r, b in zip(overhead["recipe_samples_per_s"], overhead["bare_samples_per_s"])]
-    assert overhead["ratios"] == pairs and overhead["ratio"] == statistics.median(pairs)
-    assert overhead["meets_target"] == (overhead["ratio"] >= overhead["target"] == 0.97)
-    assert overhead["loss_max_rel_diff"] < 1e-6  # the recipe and the bare loop trained the very same model
+    for name, measured in bench["recipes"].items():
+        assert set(measured) == {"model_args", "overhead", "mfu", "scaling", "container"}, name
+        overhead = measured["overhead"]
+        pairs = [r / b for r, b in zip(overhead["recipe_samples_per_s"], overhead["bare_samples_per_s"])]
+        assert overhead["ratios"] == pairs and overhead["ratio"] == statistics.median(pairs), name
+        assert overhead["meets_target"] == (overhead["ratio"] >= overhead["target"] == 0.97), name
+        # The recipe and its bare loop trained the very same model (Megatron: through its own optimizer
+        # wrapper and grad buffers, so not to the last bit).
+        assert overhead["loss_max_rel_diff"] < (1e-5 if name == "megatron_tp_pp" else 1e-6), (name, overhead["loss_max_rel_diff"])
 
-    scaling = bench["scaling"]
-    efficiencies = [two / 2 / one for one, two in zip(scaling["samples_per_s_1_rank"], scaling["samples_per_s_2_ranks"])]
-    assert scaling["efficiencies"] == efficiencies and 0 < scaling["efficiency"] == statistics.median(efficiencies)
+        scaling = measured["scaling"]
+        efficiencies = [two / 2 / one for one, two in zip(scaling["samples_per_s_1_rank"], scaling["samples_per_s_2_ranks"])]
+        assert scaling["efficiencies"] == efficiencies and 0 < scaling["efficiency"] == statistics.median(efficiencies), name
 
-    container = bench["container"]
-    assert container["throughput_ratios"] == [p / b for p, b in zip(container["samples_per_s_podman"], container["samples_per_s_bare"])]
-    assert container["startup_ratios"] == [p / b for p, b in zip(container["startup_s_podman"], container["startup_s_bare"])]
-    assert container["loss_max_rel_diff"] < 1e-6
+        container = measured["container"]
+        assert container["throughput_ratios"] == [p / b for p, b in zip(container["samples_per_s_podman"], container["samples_per_s_bare"])]
+        assert container["startup_ratios"] == [p / b for p, b in zip(container["startup_s_podman"], container["startup_s_bare"])]
+        assert container["loss_max_rel_diff"] < 1e-6, name
+        assert 0 < measured["mfu"]["mfu"] < 1 and measured["mfu"]["peak_source"].startswith("measured"), name
 
     images = bench["images"]
     assert images["size_mb"]["ddp"] > 100 and images["recipe_edit_rebuild_s"] > 0
     assert images["cold_build_s"] is None and images["meets_target"] == (images["recipe_edit_rebuild_s"] <= 5.0)
-    assert 0 < bench["mfu"]["mfu"] < 1 and bench["mfu"]["peak_source"].startswith("measured")
     assert not (REPO / "recipes" / "zz_bench_edit.py").exists()
 
     import matplotlib.image
@@ -50,7 +55,8 @@ def test_quick_benchmark_writes_json_figures_and_table(tmp_path):
         pixels = matplotlib.image.imread(tmp_path / f"{figure}.png")
         assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0
     table = (tmp_path / "RESULTS.md").read_text()
-    assert "| overhead: recipe / bare loop throughput (1 process) |" in table and f"{overhead['ratio']:.3f}" in table
+    assert "| measure | ddp | accelerate | deepspeed | megatron_tp_pp | target |" in table
+    assert f"{bench['recipes']['megatron_tp_pp']['overhead']['ratio']:.3f}" in table
 
 
 @pytest.mark.slurm
