@@ -410,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---- data: every DP rank takes its rows of the step's global batch, cut into micro-batches; all TP
     # and PP ranks of a replica read the same rows (stage 0 uses the tokens, the last stage the labels)
     data = common.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
-    causal_mask = torch.triu(torch.ones(1, 1, args.seq_len, args.seq_len, dtype=torch.bool, device=device), diagonal=1)
+    # megatron's own attention needs the causal mask spelled out (True = masked); Transformer Engine's
+    # applies its causal mask type itself and takes none.
+    causal_mask = None if use_te else torch.triu(
+        torch.ones(1, 1, args.seq_len, args.seq_len, dtype=torch.bool, device=device), diagonal=1)
     position_ids = torch.arange(args.seq_len, device=device).unsqueeze(0)
 
     def forward_step(data_iterator, model):
