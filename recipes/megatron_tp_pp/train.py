@@ -123,8 +123,11 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
                  "vocab_size", "max_steps", "log_every"):
         if getattr(args, name) < 1:
             raise common.ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if not args.timeout_s > 0 or not args.lr > 0 or args.clip_grad < 0:
-        raise common.ConfigError("--timeout-s and --lr must be positive and --clip-grad at least 0")
+    for name in ("lr", "timeout_s"):
+        if not getattr(args, name) > 0:
+            raise common.ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.clip_grad < 0:
+        raise common.ConfigError(f"--clip-grad must be 0 (no clipping) or more, got {args.clip_grad}")
     if args.checkpoint_every < 0:
         raise common.ConfigError(f"--checkpoint-every must be 0 (only at the end) or more, got {args.checkpoint_every}")
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
