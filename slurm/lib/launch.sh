@@ -163,7 +163,7 @@ build_command() {
         # Prefixes: podman reads the matching variables from each task's own environment when its
         # container starts, so every rank gets its own SLURM_PROCID and the step's SLURM_STEP_* (which the
         # batch script, where this command is built, does not have).
-        cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'TORCH_NCCL_*' -e 'FI_*' -e 'HPCML_*' -e OMP_NUM_THREADS -e PYTHONUNBUFFERED)
+        cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'TORCH_NCCL_*' -e 'FI_*' -e 'HPCML_*' -e 'HOROVOD_*' -e 'TF_*' -e OMP_NUM_THREADS -e PYTHONUNBUFFERED)
         cmd+=("$image")
         ;;
     esac

@@ -1,0 +1,67 @@
+"""The model of the TensorFlow recipes (recipes/horovod, recipes/tf_mirrored): a small Keras next-token model.
+
+Token embedding -> causal 1-D convolution over the last two tokens -> MLP -> logits. Two tokens of context are
+what the synthetic task needs (common.numpy_token_batch: arithmetic sequences, next = last + stride), so the
+loss falls well below ln(vocab) as it learns. Horovod's Keras integration needs Keras 2: the images set
+TF_USE_LEGACY_KERAS=1, so ``tf.keras`` is tf-keras.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+
+@dataclass(frozen=True)
+class TokenModelConfig:
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    d_hidden: int = 256
+
+
+def build_model(cfg: TokenModelConfig, seed: int) -> tf.keras.Model:
+    """The same weights for the same seed, in any process: ranks and the single-process reference agree."""
+    init = lambda offset: tf.keras.initializers.GlorotUniform(seed=seed + offset)  # noqa: E731
+    tokens = tf.keras.Input(shape=(cfg.seq_len,), dtype="int32", name="tokens")
+    x = tf.keras.layers.Embedding(cfg.vocab_size, cfg.d_model,
+                                  embeddings_initializer=tf.keras.initializers.RandomNormal(stddev=0.1, seed=seed))(tokens)
+    x = tf.keras.layers.Conv1D(cfg.d_hidden, kernel_size=2, padding="causal", activation="gelu",
+                               kernel_initializer=init(1))(x)
+    x = tf.keras.layers.Dense(cfg.d_hidden, activation="gelu", kernel_initializer=init(2))(x)
+    # float32 logits also under mixed precision: the softmax cross-entropy stays accurate.
+    logits = tf.keras.layers.Dense(cfg.vocab_size, kernel_initializer=init(3), dtype="float32")(x)
+    return tf.keras.Model(tokens, logits, name="token_model")
+
+
+def flops_per_token(model: tf.keras.Model) -> float:
+    """Training FLOPs per token: 6 x the weights of the matmul layers (the embedding is a lookup)."""
+    matmul_params = sum(int(tf.size(w)) for layer in model.layers if not isinstance(layer, tf.keras.layers.Embedding)
+                        for w in layer.trainable_weights)
+    return 6.0 * matmul_params
+
+
+def loss_per_token(targets: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Cross-entropy of every position, shape (batch, seq_len)."""
+    return tf.keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
+
+
+def peak_flops(gpu_name: str | None, dtype_name: str, override_tflops: float | None) -> tuple[float, str]:
+    """The per-device peak that MFU divides by: data sheet on a GPU, a matmul measured now on a CPU."""
+    import common
+
+    if override_tflops:
+        return override_tflops * 1e12, "--peak-tflops"
+    if gpu_name:
+        return common.gpu_peak_flops(gpu_name, dtype_name)
+    size, seconds = 1024, 0.3
+    a, b = tf.random.normal((size, size)), tf.random.normal((size, size))
+    tf.linalg.matmul(a, b).numpy()  # warm-up
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        tf.linalg.matmul(a, b).numpy()
+        count += 1
+    threads = tf.config.threading.get_intra_op_parallelism_threads() or "default"
+    return 2.0 * size**3 * count / elapsed, f"measured: {size}x{size} float32 tf.matmul, intra-op threads {threads}"
