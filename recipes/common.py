@@ -179,7 +179,7 @@ def check_expected_world_size(world_size: int, environ: dict[str, str] | None = 
         raise ConfigError(
             f"this process joined a world of {world_size} rank(s), but the job launched {expected} "
             f"({EXPECTED_WORLD_SIZE_ENV}): the launcher started the ranks as independent trainings; "
-            "check the launch command (torchrun/accelerate/deepspeed options) against the allocation"
+            "check the launch command (torchrun/accelerate/deepspeed options; srun --mpi for MPI) against the allocation"
         )
 
 

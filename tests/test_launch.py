@@ -251,6 +251,26 @@ def test_megatron_puts_tp_inside_a_node_and_pp_across_nodes_unless_told_otherwis
     assert srun_line(override)[-4:] == ["--tp", "2", "--pp", "4"]
 
 
+def test_horovod_runs_the_tensorflow_recipe_or_the_pytorch_one_and_nothing_else():
+    result = sbatch_file("horovod", "--batch-per-rank", "4", CONTAINER_RUNTIME="none")
+    assert result.returncode == 0, result.stderr
+    assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/horovod/train.py",
+                                 "--out-dir", f"{REPO}/runs/horovod-1234", "--batch-per-rank", "4"]
+    torch_variant = sbatch_file("horovod", CONTAINER_RUNTIME="none", RECIPE="recipes/horovod/train_torch.py")
+    assert srun_line(torch_variant)[4] == f"{REPO}/recipes/horovod/train_torch.py"
+    wrong = sbatch_file("horovod", CONTAINER_RUNTIME="none", RECIPE="recipes/ddp/train.py")
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == ("launch: error: RECIPE=recipes/ddp/train.py: use recipes/horovod/train.py "
+                                    "(TensorFlow) or recipes/horovod/train_torch.py (PyTorch)")
+
+
+def test_podman_passes_horovod_and_tensorflow_settings_into_the_container():
+    result = sbatch_file("horovod", CONTAINER_RUNTIME="podman", CONTAINER_IMAGE="hpcml/horovod:cpu")
+    assert result.returncode == 0, result.stderr
+    command = srun_line(result)
+    assert {"HOROVOD_*", "TF_*"} <= {command[i + 1] for i, word in enumerate(command) if word == "-e"}
+
+
 def test_per_node_script_passes_slurm_signals_to_the_ranks_not_the_launcher(tmp_path):
     """A launcher that would die of SIGUSR1 (no handler, as torchrun's agent) survives it; its rank gets
     the signal, and the script exits with the launcher's code."""

@@ -26,8 +26,15 @@ from conftest import REPO, TINY, build_images, losses, read_metrics, recipe_env,
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
 MATRIX = REPO / "tests" / "matrix.toml"
 BASE_ARGS = [*TINY, "--max-steps", "4", "--checkpoint-every", "0"]
-# The Megatron recipe names its model options as Megatron-LM does (its defaults are tiny already).
-RECIPE_BASE_ARGS = {"megatron_tp_pp": ["--seq-len", "32", "--log-every", "1", "--max-steps", "4", "--checkpoint-every", "0"]}
+# The Megatron recipe names its model options as Megatron-LM does, and the TensorFlow recipes have their own
+# small Keras model (their defaults are tiny already).
+SHORT_RUN = ["--seq-len", "32", "--log-every", "1", "--max-steps", "4", "--checkpoint-every", "0"]
+RECIPE_BASE_ARGS = {"megatron_tp_pp": SHORT_RUN, "horovod": SHORT_RUN, "tf_mirrored": SHORT_RUN}
+# The TensorFlow recipes run bare in their own venv (make venv-tf), not in the PyTorch one.
+TF_PYTHON = str(REPO / ".venv-tf" / "bin" / "python")
+BARE_PYTHON = {"horovod": TF_PYTHON, "tf_mirrored": TF_PYTHON}
+# The backend each recipe must report (torch.distributed's gloo, unless the recipe is not torch.distributed).
+BACKEND = {"horovod": "horovod-gloo", "tf_mirrored": "MirroredStrategy/ReductionToOneDevice"}
 LOSS_RTOL = 1e-5
 IMAGE_PYTHON = "/opt/venv/bin/python3"
 # What each recipe must report from inside a run of more than one rank: the wrapper around the model, and
@@ -37,13 +44,16 @@ PARALLEL_RUN = {
     "accelerate": {"model_wrapper": "DistributedDataParallel", "launcher": "torchrun", "distributed_type": "MULTI_CPU"},
     "deepspeed": {"model_wrapper": "DeepSpeedEngine", "launcher": "srun"},
     "megatron_tp_pp": {"model_wrapper": "DistributedDataParallel", "launcher": "srun", "cpu_placement_shim": True},
+    "horovod": {"model_wrapper": "DistributedGradientTape", "launcher": "srun (gloo controller, rendezvous on rank 0)",
+                "collectives": "gloo"},
 }
 
 
 def load_cells() -> list[dict]:
     cells = tomllib.loads(MATRIX.read_text())["cell"]
     for cell in cells:
-        unknown = set(cell) - {"image", "recipe", "runtime", "nodes", "tasks_per_node", "layout", "args", "expect"}
+        unknown = set(cell) - {"image", "recipe", "runtime", "nodes", "tasks_per_node", "devices_per_task", "layout",
+                               "args", "expect"}
         assert not unknown, f"matrix.toml: unknown keys {unknown} in {cell}"
         assert cell["expect"] in ("pass", "config-error"), cell
         assert cell["runtime"] in ("podman", "none"), cell
@@ -66,12 +76,25 @@ def matrix_images() -> set[str]:
     return set(images)
 
 
+def reference_args(recipe: str, args: list[str], world: int) -> tuple[str, ...]:
+    """The arguments of the one-process run that must reproduce a parallel run with ``args``."""
+    def value(option: str, default: str) -> str:
+        return args[len(args) - 1 - args[::-1].index(option) + 1] if option in args else default
+
+    if recipe == "horovod":  # the whole global batch, at the learning rate the ranks use (--lr x world size)
+        return (*args, "--batch-per-rank", str(int(value("--batch-per-rank", "8")) * world),
+                "--lr", str(float(value("--lr", "1e-3")) * world))
+    if recipe == "tf_mirrored":
+        return (*args, "--devices", "1")
+    return tuple(args)
+
+
 @functools.cache
 def reference_losses(recipe: str, args: tuple[str, ...]) -> tuple[float, ...]:
     """The recipe as one plain process on the host: the loss every parallel layout must reproduce."""
     out_dir = Path(tempfile.mkdtemp(prefix=f"reference-{recipe}-"))
-    result = run([sys.executable, str(REPO / "recipes" / recipe / "train.py"), "--out-dir", str(out_dir), *args],
-                 env=recipe_env(), timeout=300)
+    result = run([BARE_PYTHON.get(recipe, sys.executable), str(REPO / "recipes" / recipe / "train.py"),
+                  "--out-dir", str(out_dir), *args], env=recipe_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     reference = tuple(losses(read_metrics(out_dir)))
     shutil.rmtree(out_dir)
@@ -89,7 +112,8 @@ def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
         runtimes = {c["runtime"] for c in CELLS if c["recipe"] == recipe and c["expect"] == "pass"}
         assert runtimes == {"podman", "none"}, f"recipe {recipe}: passing cells for {runtimes} only"
     for cell in CELLS:
-        assert math.prod(parse_layout(cell["layout"]).values()) == cell["nodes"] * cell["tasks_per_node"], cell
+        ranks = cell["nodes"] * cell["tasks_per_node"] * cell.get("devices_per_task", 1)
+        assert math.prod(parse_layout(cell["layout"]).values()) == ranks, cell
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[cell_id(c) for c in CELLS])
@@ -99,6 +123,8 @@ def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
     env = {"CONTAINER_RUNTIME": runtime}
     if runtime != "none":
         env["CONTAINER_IMAGE"] = f"hpcml/{cell['image']}:cpu"
+    elif recipe in BARE_PYTHON:
+        env["PYTHON"] = BARE_PYTHON[recipe]
     code, state, log = sbatch_recipe(slurm_cluster, tmp_path, recipe, "-N", str(cell["nodes"]),
                                      "--ntasks-per-node", str(cell["tasks_per_node"]), recipe_args=args, **env)
     assert f"launch: runtime={runtime} " in log, log
@@ -115,11 +141,13 @@ def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
     world = cell["nodes"] * cell["tasks_per_node"]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     # From inside the run: it really was this parallel, in this environment.
-    assert metrics["world_size"] == world and metrics["backend"] == "gloo"
+    assert metrics["world_size"] == world and metrics["backend"] == BACKEND.get(recipe, "gloo")
     expected_layout = parse_layout(cell["layout"])  # (recipes may report more: micro-batches, VP)
     assert {key: metrics["layout"].get(key) for key in expected_layout} == expected_layout
     if world > 1:
         assert {key: metrics.get(key) for key in PARALLEL_RUN[recipe]} == PARALLEL_RUN[recipe]
+    if cell.get("devices_per_task", 1) > 1:  # one process, several replicas (MirroredStrategy)
+        assert metrics["replicas"] == cell["devices_per_task"] and metrics["model_wrapper"] == "MirroredStrategy"
     if "--zero-stage" in args:
         assert metrics["zero_stage"] == int(args[args.index("--zero-stage") + 1])
     expected_hosts = [f"nid{node:06d}" for node in range(1, cell["nodes"] + 1) for _ in range(cell["tasks_per_node"])]
@@ -132,5 +160,5 @@ def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     assert [record["step"] for record in metrics["history"]] == [1, 2, 3, 4]
 
-    reference = reference_losses(recipe, tuple(args))
+    reference = reference_losses(recipe, reference_args(recipe, args, world))
     assert losses(metrics) == pytest.approx(list(reference), rel=LOSS_RTOL)

@@ -4,7 +4,7 @@
 - a rank stopped (SIGSTOP) ends the job within the process-group timeout, not at the wall-clock limit;
 - Slurm's time-limit warning (SIGUSR1 to the job's tasks, as '#SBATCH --signal=USR1@T' sends it):
   the ranks checkpoint and stop, the job requeues itself, the requeued run resumes, and its losses
-  equal an uninterrupted run's;
+  equal an uninterrupted run's (DDP; accelerate, Megatron and Horovod: checkpoint and requeue);
 - a crash in the middle of writing a checkpoint leaves the previous one, and resume uses it;
 - bad input (at least 10 kinds) is refused before any rank starts, with one line, leaving nothing behind.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLUSTER_DIR, DDP_RECIPE, TINY, assert_ok, build_images, losses, read_metrics, recipe_env, run,
+from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, build_images, losses, read_metrics, recipe_env, run,
                       run_single, sbatch_recipe, submit_recipe)
 
 pytestmark = pytest.mark.slurm
@@ -203,6 +203,34 @@ def test_megatron_time_limit_signal_writes_a_distributed_checkpoint_across_the_p
     checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
     assert (checkpoint / "metadata.json").exists() and list(checkpoint.glob("*.distcp"))
+    assert not list((tmp_path / "run" / "checkpoints").glob(".step_*.partial"))
+
+
+def test_horovod_time_limit_signal_checkpoints_and_requeues(slurm_cluster, tmp_path):
+    """slurm/horovod.sh on 2 nodes x 1 task, bare (.venv-tf): at SIGUSR1 the Horovod ranks agree on the step
+    (an all-reduce max of what each received), rank 0 publishes one TensorFlow checkpoint, and the job
+    requeues itself. (Resuming from it is tests/test_tensorflow.py's.)"""
+    job = submit_recipe(slurm_cluster, tmp_path, "horovod", "-N", "2", "--ntasks-per-node", "1",
+                        recipe_args=["--seq-len", "32", "--max-steps", "100000", "--checkpoint-every", "0",
+                                     "--log-every", "10"],
+                        PYTHON=str(REPO / ".venv-tf" / "bin" / "python"))[1]
+    log_path = tmp_path / f"horovod-{job}.out"
+    log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
+    wait_for(lambda: re.search(r"^\[horovod\] step +10 ", log(), re.M), 120, "training to start")
+    assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
+    try:
+        wait_for(lambda: "requeueing job" in log(), 90, "the job to requeue itself")
+    finally:
+        run(["scancel", job], env=recipe_env(**slurm_cluster))
+    text = log()
+    assert "world_size=2 controller=gloo" in text and "hosts=nid000001,nid000002" in text, text
+    stopped = re.search(r"\[horovod\] stopped by SIGUSR1 after step (\d+): checkpoint written", text)
+    assert stopped, text
+    step = int(stopped.group(1))
+    assert 10 <= step < 100000
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
+    assert json.loads((checkpoint / "meta.json").read_text())["step"] == step
+    assert (checkpoint / "ckpt.index").exists()
     assert not list((tmp_path / "run" / "checkpoints").glob(".step_*.partial"))
 
 

@@ -217,3 +217,20 @@ def test_slurm_task_layout_becomes_horovods_rank_layout():
     assert horovod_launch.prepare_world({**environ, "HOROVOD_RANK": "1"}) == "horovodrun"
     assert horovod_launch.prepare_world({**environ, "HOROVOD_CONTROLLER": "mpi"}) == "srun (MPI controller)"
     assert not os.environ.get("HOROVOD_CONTROLLER")  # (the checks above wrote into their own dicts)
+
+
+@pytest.mark.slurm
+def test_srun_with_mpi_but_no_pmi_is_refused_not_trained_as_separate_worlds(slurm_cluster, tmp_path):
+    """The silent fallback this catches: HOROVOD_CONTROLLER=mpi under srun without a PMI plugin gives every
+    task an MPI world of its own; each would train alone and exit 0. The ranks refuse instead (exit 2)."""
+    from conftest import sbatch_recipe
+
+    code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "horovod", "-N", "2", "--ntasks-per-node", "1",
+                                     recipe_args=STEPS, PYTHON=str(TF_PYTHON), HOROVOD_CONTROLLER="mpi",
+                                     SLURM_MPI_TYPE="none")
+    assert code != 0 and state == "FAILED", log
+    errors = {line for line in log.splitlines() if line.startswith("[horovod] error:")}
+    assert errors == {"[horovod] error: this process joined a world of 1 rank(s), but the job launched 2 "
+                      "(HPCML_EXPECTED_WORLD_SIZE): the launcher started the ranks as independent trainings; "
+                      "check the launch command (torchrun/accelerate/deepspeed options; srun --mpi for MPI) against the allocation"}, log
+    assert not re.search(r"^\[horovod\] step ", log, re.M) and "Traceback" not in log, log

@@ -138,17 +138,17 @@ def main(argv: list[str] | None = None) -> int:
 
     hvd.init()
     rank, world_size, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+    # Horovod started outside any launcher's world is a world of one that trains alone and exits 0: refuse
+    # a world that is not the one the job launched (slurm/lib/launch.sh sets the expected size).
     common.check_expected_world_size(world_size)
     validate(args, world_size)
-    if world_size > 1 and not (hvd.gloo_enabled() or hvd.mpi_enabled()):
-        raise RuntimeError(f"Horovod formed a world of {world_size} without a controller")
     controller = "gloo" if hvd.gloo_enabled() else "mpi" if hvd.mpi_enabled() else "none"
-    gpus = tf.config.list_physical_devices("GPU")
+    gpus, gpu_name = tf.config.list_physical_devices("GPU"), None
     if gpus:  # one GPU per rank, memory taken as needed rather than all of it up front
         gpu = gpus[local_rank % len(gpus)]
         tf.config.set_visible_devices(gpu, "GPU")
         tf.config.experimental.set_memory_growth(gpu, True)
-    gpu_name = tf.config.experimental.get_device_details(gpus[local_rank % len(gpus)]).get("device_name") if gpus else None
+        gpu_name = tf.config.experimental.get_device_details(gpu).get("device_name")
     ops = "NCCL" if gpus and hvd.nccl_built() else controller
     dtype = {"auto": "bfloat16" if gpus else "float32", "float32": "float32", "bfloat16": "bfloat16"}[args.dtype]
     if dtype == "bfloat16":
