@@ -592,6 +592,35 @@ def latest_checkpoint_dir(directory: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+# The TensorFlow recipes' checkpoints: a directory of the framework's files plus meta.json (the step, the
+# metrics history and what must match to resume), published like the directories above.
+
+def save_checkpoint_dir(directory: Path, step: int, write_files, meta: dict, keep: int = 2) -> Path:
+    """``write_files(staging_dir)`` writes the framework's files; then meta.json; then the rename."""
+    staging = staging_checkpoint_dir(directory, step)
+    staging.mkdir(parents=True, exist_ok=True)
+    write_files(staging)
+    atomic_write_bytes(staging / "meta.json", json.dumps({"step": step, **meta}).encode())
+    return publish_checkpoint_dir(directory, step, keep)
+
+
+def checkpoint_dir_to_resume(directory: Path, no_resume: bool, must_match: dict) -> tuple[Path | None, dict | None]:
+    """The newest published checkpoint directory and its meta.json, if the ``must_match`` entries it recorded
+    (model, batch) are this run's; otherwise a ConfigError that says what differs."""
+    latest = None if no_resume else latest_checkpoint_dir(directory)
+    if latest is None:
+        return None, None
+    try:
+        meta = json.loads((latest / "meta.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read {latest}/meta.json ({error}): move {latest} away, or use --no-resume") from None
+    written = {key: meta.get(key) for key in must_match}
+    if written != must_match:
+        raise ConfigError(f"{latest} was written with {written}, this run has {must_match}: use the same settings, "
+                          "a new --out-dir, or --no-resume")
+    return latest, meta
+
+
 def rng_state() -> dict:
     import torch
 

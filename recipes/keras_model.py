@@ -1,4 +1,5 @@
-"""The model of the TensorFlow recipes (recipes/horovod, recipes/tf_mirrored): a small Keras next-token model.
+"""The model of the TensorFlow recipes (recipes/horovod, recipes/tf_mirrored): a small Keras next-token model,
+and its FLOPs and peak for MFU.
 
 Token embedding -> causal 1-D convolution over the last two tokens -> MLP -> logits. Two tokens of context are
 what the synthetic task needs (common.numpy_token_batch: arithmetic sequences, next = last + stride), so the
@@ -12,6 +13,8 @@ import time
 from dataclasses import dataclass
 
 import tensorflow as tf
+
+import common
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,6 @@ def loss_per_token(targets: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
 
 def peak_flops(gpu_name: str | None, dtype_name: str, override_tflops: float | None) -> tuple[float, str]:
     """The per-device peak that MFU divides by: data sheet on a GPU, a matmul measured now on a CPU."""
-    import common
-
     if override_tflops:
         return override_tflops * 1e12, "--peak-tflops"
     if gpu_name:
@@ -65,3 +66,4 @@ def peak_flops(gpu_name: str | None, dtype_name: str, override_tflops: float | N
         count += 1
     threads = tf.config.threading.get_intra_op_parallelism_threads() or "default"
     return 2.0 * size**3 * count / elapsed, f"measured: {size}x{size} float32 tf.matmul, intra-op threads {threads}"
+

@@ -29,7 +29,6 @@ stop after the same step, checkpoint and exit 0, leaving OUT_DIR/stopped_by_sign
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -95,35 +94,18 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise common.ConfigError("--skip-grad-allreduce only means something with more than one rank")
 
 
-def resume_point(args: argparse.Namespace, world_size: int) -> tuple[Path | None, dict | None]:
-    """The newest checkpoint in --out-dir and its metadata, if it was written by the same model and batch."""
-    latest = None if args.no_resume else common.latest_checkpoint_dir(args.out_dir / "checkpoints")
-    if latest is None:
-        return None, None
-    try:
-        meta = json.loads((latest / "meta.json").read_text())
-    except (OSError, ValueError) as error:
-        raise common.ConfigError(f"cannot read {latest}/meta.json ({error}): move {latest} away, or use --no-resume") from None
-    wanted = {"model": model_config(args).__dict__, "global_batch": args.batch_per_rank * world_size}
-    if {key: meta.get(key) for key in wanted} != wanted:
-        raise common.ConfigError(
-            f"{latest} was written with model {meta.get('model')} and global batch {meta.get('global_batch')}; "
-            f"this run has {wanted['model']} and {wanted['global_batch']} (--batch-per-rank x ranks): use the same "
-            "settings, a new --out-dir, or --no-resume")
-    return latest, meta
-
-
-def model_config(args: argparse.Namespace):
-    from keras_model import TokenModelConfig
-
-    return TokenModelConfig(args.vocab_size, args.seq_len, args.d_model, args.d_hidden)
+def must_match_to_resume(args: argparse.Namespace, world_size: int) -> dict:
+    """What a checkpoint must have been written with for this run to continue it."""
+    model = {"vocab_size": args.vocab_size, "seq_len": args.seq_len, "d_model": args.d_model, "d_hidden": args.d_hidden}
+    return {"model": model, "global_batch": args.batch_per_rank * world_size}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         validate(args, args.preflight)
-        latest, _ = resume_point(args, args.preflight)
+        latest, _ = common.checkpoint_dir_to_resume(args.out_dir / "checkpoints", args.no_resume,
+                                                    must_match_to_resume(args, args.preflight))
         print(f"[{RECIPE}] preflight: options fit world size {args.preflight}"
               + (f"; will resume from {latest}" if latest else ""), flush=True)
         return 0
@@ -161,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     # ---- model and optimizer, both built now, so that rank 0's values can be broadcast before step 1
-    cfg = model_config(args)
-    model = keras_model.build_model(cfg, args.seed)
+    must_match = must_match_to_resume(args, world_size)
+    model = keras_model.build_model(keras_model.TokenModelConfig(**must_match["model"]), args.seed)
     lr = args.lr * world_size
     optimizer = tf.keras.optimizers.Adam(learning_rate=lr)
     optimizer.build(model.trainable_variables)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    latest, meta = resume_point(args, world_size)
+    checkpoint_dir = args.out_dir / "checkpoints"
+    latest, meta = common.checkpoint_dir_to_resume(checkpoint_dir, args.no_resume, must_match)
     start_step, history = 0, []
     if latest is not None:
         checkpoint.read(str(latest / "ckpt")).assert_consumed()
@@ -218,17 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         return float(tf.reduce_max(hvd.allreduce(flat, op=hvd.Max) - hvd.allreduce(flat, op=hvd.Min)))
 
     def save(step: int) -> None:
-        if not is_rank0:  # every rank holds the same model: rank 0's copy is the checkpoint
-            return
-        checkpoint_dir = args.out_dir / "checkpoints"
-        staging = common.staging_checkpoint_dir(checkpoint_dir, step)
-        staging.mkdir(parents=True, exist_ok=True)
-        checkpoint.write(str(staging / "ckpt"))
-        common.atomic_write_bytes(staging / "meta.json", json.dumps({
-            "step": step, "history": metrics.history, "model": cfg.__dict__,
-            "global_batch": args.batch_per_rank * world_size}).encode())
-        common.publish_checkpoint_dir(checkpoint_dir, step)
-        metrics.write()
+        if is_rank0:  # every rank holds the same model: rank 0's copy is the checkpoint
+            common.save_checkpoint_dir(checkpoint_dir, step, lambda staging: checkpoint.write(str(staging / "ckpt")),
+                                       {"history": metrics.history, **must_match})
+            metrics.write()
 
     # ---- training loop
     if is_rank0:

@@ -24,12 +24,12 @@ a rerun with the same --out-dir resumes; SIGUSR1 or SIGTERM: stop after the step
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 # Before TensorFlow loads: Keras 2 (tf-keras), which Horovod's TensorFlow integration needs, and no INFO
@@ -151,13 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = tf.keras.optimizers.Adam(learning_rate=args.lr)
         optimizer.build(model.trainable_variables)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    latest = None if args.no_resume else common.latest_checkpoint_dir(args.out_dir / "checkpoints")
+    checkpoint_dir = args.out_dir / "checkpoints"
+    must_match = {"model": asdict(cfg), "global_batch": args.global_batch}
+    latest, meta = common.checkpoint_dir_to_resume(checkpoint_dir, args.no_resume, must_match)
     start_step, history = 0, []
     if latest is not None:
-        meta = json.loads((latest / "meta.json").read_text())
-        if meta["model"] != cfg.__dict__ or meta["global_batch"] != args.global_batch:
-            raise common.ConfigError(f"{latest} was written with model {meta['model']} and --global-batch "
-                                     f"{meta['global_batch']}; use the same settings, a new --out-dir, or --no-resume")
         checkpoint.read(str(latest / "ckpt")).assert_consumed()
         start_step, history = meta["step"], meta["history"]
         print(f"[{RECIPE}] resumed from {latest} (step {start_step})", flush=True)
@@ -211,13 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return spread
 
     def save(step: int) -> None:
-        checkpoint_dir = args.out_dir / "checkpoints"
-        staging = common.staging_checkpoint_dir(checkpoint_dir, step)
-        staging.mkdir(parents=True, exist_ok=True)
-        checkpoint.write(str(staging / "ckpt"))
-        common.atomic_write_bytes(staging / "meta.json", json.dumps({
-            "step": step, "history": metrics.history, "model": cfg.__dict__, "global_batch": args.global_batch}).encode())
-        common.publish_checkpoint_dir(checkpoint_dir, step)
+        common.save_checkpoint_dir(checkpoint_dir, step, lambda staging: checkpoint.write(str(staging / "ckpt")),
+                                   {"history": metrics.history, **must_match})
         metrics.write()
 
     # ---- training loop
