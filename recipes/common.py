@@ -3,10 +3,12 @@
 - ``detect_dist_env``: this process's rank layout, from torchrun's variables or from Slurm's when the
   recipe is started by ``srun`` directly (rendezvous host = first node of the job, never "localhost").
 - ``setup_torch_distributed``: device and backend (NCCL on CUDA, gloo on CPU) and the process group.
-- ``SyntheticTokens``: deterministic token batches; step ``s`` is the same global batch at any world size.
+- ``SyntheticTokens`` (``numpy_token_batch`` for TensorFlow): deterministic token batches; step ``s`` is the
+  same global batch at any world size.
 - ``MetricsLogger`` and ``transformer_flops_per_token`` / ``peak_flops``: rank-0 logs, JSON, MFU.
 - ``save_checkpoint`` / ``latest_checkpoint``: atomic checkpoint files (temp name, fsync, rename), and
-  ``staging_checkpoint_dir`` / ``publish_checkpoint_dir`` the same for checkpoints written by every rank.
+  ``staging_checkpoint_dir`` / ``publish_checkpoint_dir`` the same for checkpoints written by every rank,
+  ``save_checkpoint_dir`` / ``checkpoint_dir_to_resume`` for a framework's files plus meta.json (TensorFlow).
 
 Recipes put ``recipes/`` on ``sys.path`` and ``import common``; the file has no other project imports.
 PyTorch is imported inside the functions that use it, so the TensorFlow recipes (recipes/horovod,

@@ -118,8 +118,8 @@ def test_podman_hpc_command():
     # Each rank's own SLURM_PROCID and the step's variables (absent where the command is built) must
     # reach its container: podman takes them, by prefix, from each task's environment.
     passed = [words[i + 1] for i, word in enumerate(words) if word == "-e"]
-    assert passed == ["SLURM_*", "MASTER_*", "NCCL_*", "TORCH_NCCL_*", "FI_*", "HPCML_*", "OMP_NUM_THREADS",
-                      "PYTHONUNBUFFERED"]
+    assert passed == ["SLURM_*", "MASTER_*", "NCCL_*", "TORCH_NCCL_*", "FI_*", "HPCML_*", "HOROVOD_*", "TF_*",
+                      "OMP_NUM_THREADS", "PYTHONUNBUFFERED"]
     assert words[words.index("me/ddp:v1") + 1 :][:2] == ["python3", f"{REPO}/recipes/ddp/train.py"]
 
 

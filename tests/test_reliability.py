@@ -179,59 +179,52 @@ def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_laun
     assert sorted(p.name for p in checkpoint.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
 
 
+def signal_time_limit_and_wait_for_requeue(cluster: dict, tmp_path: Path, recipe: str, max_steps: int,
+                                           **env: str) -> tuple[str, int]:
+    """Submit slurm/<recipe>.sh on 2 nodes x 1 task, send SIGUSR1 once step 10 is logged (what
+    '#SBATCH --signal=USR1@T' does), wait for the job to requeue itself, then cancel it. Returns the log and
+    the step the ranks stopped after, checked to lie between 10 and max_steps."""
+    job = submit_recipe(cluster, tmp_path, recipe, "-N", "2", "--ntasks-per-node", "1",
+                        recipe_args=["--seq-len", "32", "--max-steps", str(max_steps), "--checkpoint-every", "0",
+                                     "--log-every", "10"], **env)[1]
+    log_path = tmp_path / f"{recipe}-{job}.out"
+    log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
+    wait_for(lambda: re.search(rf"^\[{recipe}\] step +10 ", log(), re.M), 180, "training to start")
+    assert run(["scancel", "--signal=USR1", job], env=recipe_env(**cluster)).returncode == 0
+    try:
+        wait_for(lambda: "requeueing job" in log(), 90, "the job to requeue itself")
+    finally:
+        run(["scancel", job], env=recipe_env(**cluster))
+    text = log()
+    stopped = re.search(rf"\[{recipe}\] stopped by SIGUSR1 after step (\d+): checkpoint written", text)
+    assert stopped, text
+    step = int(stopped.group(1))
+    assert 10 <= step < max_steps
+    assert not list((tmp_path / "run" / "checkpoints").glob(".step_*.partial"))
+    return text, step
+
+
 def test_megatron_time_limit_signal_writes_a_distributed_checkpoint_across_the_pipeline(slurm_cluster, tmp_path):
     """slurm/megatron_tp_pp.sh on 2 nodes x 1 task (PP 2 across the nodes): at SIGUSR1 both stages agree on
     the step, write their shards of one distributed checkpoint, and the job requeues itself. (The resume
     itself, in the same and in another layout, is covered by tests/test_megatron.py.)"""
-    job = submit_recipe(slurm_cluster, tmp_path, "megatron_tp_pp", "-N", "2", "--ntasks-per-node", "1",
-                        recipe_args=["--seq-len", "32", "--max-steps", "2000", "--checkpoint-every", "0",
-                                     "--log-every", "10"])[1]
-    log_path = tmp_path / f"megatron_tp_pp-{job}.out"
-    log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
-    wait_for(lambda: re.search(r"^\[megatron_tp_pp\] step +10 ", log(), re.M), 180, "training to start")
-    assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
-    try:
-        wait_for(lambda: "requeueing job" in log(), 90, "the job to requeue itself")
-    finally:
-        run(["scancel", job], env=recipe_env(**slurm_cluster))
-    text = log()
+    text, step = signal_time_limit_and_wait_for_requeue(slurm_cluster, tmp_path, "megatron_tp_pp", 2000)
     assert "TP=1 PP=2 DP=1" in text and "hosts=nid000001,nid000002" in text, text
-    stopped = re.search(r"\[megatron_tp_pp\] stopped by SIGUSR1 after step (\d+): checkpoint written", text)
-    assert stopped, text
-    step = int(stopped.group(1))
-    assert 10 <= step < 2000
     checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
     assert (checkpoint / "metadata.json").exists() and list(checkpoint.glob("*.distcp"))
-    assert not list((tmp_path / "run" / "checkpoints").glob(".step_*.partial"))
 
 
 def test_horovod_time_limit_signal_checkpoints_and_requeues(slurm_cluster, tmp_path):
     """slurm/horovod.sh on 2 nodes x 1 task, bare (.venv-tf): at SIGUSR1 the Horovod ranks agree on the step
     (an all-reduce max of what each received), rank 0 publishes one TensorFlow checkpoint, and the job
     requeues itself. (Resuming from it is tests/test_tensorflow.py's.)"""
-    job = submit_recipe(slurm_cluster, tmp_path, "horovod", "-N", "2", "--ntasks-per-node", "1",
-                        recipe_args=["--seq-len", "32", "--max-steps", "100000", "--checkpoint-every", "0",
-                                     "--log-every", "10"],
-                        PYTHON=str(REPO / ".venv-tf" / "bin" / "python"))[1]
-    log_path = tmp_path / f"horovod-{job}.out"
-    log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
-    wait_for(lambda: re.search(r"^\[horovod\] step +10 ", log(), re.M), 120, "training to start")
-    assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
-    try:
-        wait_for(lambda: "requeueing job" in log(), 90, "the job to requeue itself")
-    finally:
-        run(["scancel", job], env=recipe_env(**slurm_cluster))
-    text = log()
+    text, step = signal_time_limit_and_wait_for_requeue(slurm_cluster, tmp_path, "horovod", 100000,
+                                                        PYTHON=str(REPO / ".venv-tf" / "bin" / "python"))
     assert "world_size=2 controller=gloo" in text and "hosts=nid000001,nid000002" in text, text
-    stopped = re.search(r"\[horovod\] stopped by SIGUSR1 after step (\d+): checkpoint written", text)
-    assert stopped, text
-    step = int(stopped.group(1))
-    assert 10 <= step < 100000
     checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
     assert json.loads((checkpoint / "meta.json").read_text())["step"] == step
     assert (checkpoint / "ckpt.index").exists()
-    assert not list((tmp_path / "run" / "checkpoints").glob(".step_*.partial"))
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
