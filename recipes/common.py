@@ -40,9 +40,17 @@ class ConfigError(Exception):
     """Bad input found before any process starts talking to another. Its message says what to change."""
 
 
+def stderr_line(text: str) -> None:
+    """``text`` and its newline in one write. Ranks often print the same message at the same moment into one
+    log, unbuffered (PYTHONUNBUFFERED=1): print() writes the text and the newline separately, and two ranks'
+    lines then run into each other ("...error: A[...] error: A\n\n")."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def exit_on_config_error(recipe: str, error: ConfigError) -> None:
     """One line on stderr, exit code 2: what users see instead of a stack trace."""
-    print(f"[{recipe}] error: {error}", file=sys.stderr, flush=True)
+    stderr_line(f"[{recipe}] error: {error}")
     sys.exit(2)
 
 
@@ -226,8 +234,8 @@ def exit_on_collective_failure(recipe: str, error: Exception, rank: int | str | 
 
         rank = dist.get_rank() if dist.is_initialized() else "?"
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    print(f"[{recipe}] error: rank {rank} on {socket.gethostname()}: a collective failed ({first_line[:200]}): "
-          "another rank died, hung or was stopped; the job ends here", file=sys.stderr, flush=True)
+    stderr_line(f"[{recipe}] error: rank {rank} on {socket.gethostname()}: a collective failed ({first_line[:200]}): "
+                "another rank died, hung or was stopped; the job ends here")
     sys.exit(4)
 
 
@@ -256,8 +264,8 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         if not self.received:
-            print(f"[{self.recipe}] rank {self.rank}: {signal.Signals(signum).name} received: "
-                  "checkpointing after this step, then exiting", file=sys.stderr, flush=True)
+            stderr_line(f"[{self.recipe}] rank {self.rank}: {signal.Signals(signum).name} received: "
+                        "checkpointing after this step, then exiting")
         self.received = max(self.received, int(signum))
 
     def agreed(self, world_size: int, device: torch.device) -> int:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes"))
 import common  # noqa: E402
 
 
@@ -117,3 +121,16 @@ def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path):
         common.parse_args_with_config(parser, ["--config", str(config)])
     with pytest.raises(common.ConfigError, match="cannot read --config .*missing.toml"):
         common.parse_args_with_config(parser, ["--config", str(tmp_path / "missing.toml")])
+
+
+def test_lines_of_ranks_printing_at_once_never_run_into_each_other():
+    """Four unbuffered processes writing 2000 error lines each into one pipe, as ranks do into one job log:
+    every line arrives whole (print() would write text and newline separately, and lines would merge)."""
+    writer = ("import sys; sys.path.insert(0, sys.argv[1]); import common\n"
+              "for i in range(2000): common.stderr_line(f'[rank {sys.argv[2]}] error: the same long message, ' + 'x' * 200)")
+    script = " & ".join(f"{sys.executable} -c \"{writer}\" {REPO / 'recipes'} {rank}" for rank in range(4))
+    result = subprocess.run(["bash", "-c", f"{{ {script} & wait; }} 2>&1"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=120)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 8000
+    assert all(re.fullmatch(r"\[rank \d\] error: the same long message, x{200}", line) for line in lines)

@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         dist.destroy_process_group()
     if spread != 0.0:
-        print(f"[{RECIPE}] error: parameters differ across ranks by up to {spread:.3g}: "
-              "gradients were not synchronised", file=sys.stderr, flush=True)
+        common.stderr_line(f"[{RECIPE}] error: parameters differ across ranks by up to {spread:.3g}: "
+                           "gradients were not synchronised")
         return 3
     if stopped_by and is_rank0:
         common.StopRequest.write_marker(args.out_dir, stopped_by, last_step)

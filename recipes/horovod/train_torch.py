@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     if world_size > 1:
         hvd.join()
     if spread != 0.0:
-        print(f"[{RECIPE}] error: parameters differ across ranks by up to {spread:.3g}: "
-              "gradients were not synchronised", file=sys.stderr, flush=True)
+        common.stderr_line(f"[{RECIPE}] error: parameters differ across ranks by up to {spread:.3g}: "
+                           "gradients were not synchronised")
         return 3
     return 0
 

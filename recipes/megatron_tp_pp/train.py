@@ -170,17 +170,17 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
         )
     num_microbatches = args.global_batch // rows
     if pp > 1 and num_microbatches < pp:
-        print(f"[{RECIPE}] warning: {num_microbatches} micro-batches for {pp} pipeline stages: most stages wait "
-              f"(the bubble); use --global-batch >= {pp * rows}", file=sys.stderr, flush=True)
+        common.stderr_line(f"[{RECIPE}] warning: {num_microbatches} micro-batches for {pp} pipeline stages: most "
+                           f"stages wait (the bubble); use --global-batch >= {pp * rows}")
     if args.vp is not None and num_microbatches % pp:
         raise common.ConfigError(f"the interleaved schedule (--vp) needs micro-batches ({num_microbatches}) divisible by --pp {pp}")
     if args.layer_spec == "te" and not (torch.cuda.is_available() and have_transformer_engine()):
         raise common.ConfigError("--layer-spec te needs a GPU and Transformer Engine (the cuda image has both); use auto or local")
     per_node = args.ranks_per_node or ranks_per_node_from_env()
     if per_node and tp > per_node:
-        print(f"[{RECIPE}] warning: --tp {tp} is more than the {per_node} ranks per node: tensor parallelism across "
-              "nodes all-reduces every layer over the network (slow on Slingshot); keep TP within a node and use PP",
-              file=sys.stderr, flush=True)
+        common.stderr_line(f"[{RECIPE}] warning: --tp {tp} is more than the {per_node} ranks per node: tensor "
+                           "parallelism across nodes all-reduces every layer over the network (slow on Slingshot); "
+                           "keep TP within a node and use PP")
     return Layout(tp, pp, dp, args.vp, args.micro_batch, num_microbatches)
 
 
@@ -504,8 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     if spread != 0.0:
-        print(f"[{RECIPE}] error: parameters differ across replicas by up to {spread:.3g}: "
-              "gradients were not synchronised", file=sys.stderr, flush=True)
+        common.stderr_line(f"[{RECIPE}] error: parameters differ across replicas by up to {spread:.3g}: "
+                           "gradients were not synchronised")
         return 3
     if stopped_by and env.rank == 0:
         common.StopRequest.write_marker(args.out_dir, stopped_by, last_step)

@@ -240,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
           f"MFU {100 * s['mean_mfu']:.2f}% (peak {peak / 1e12:.3f} TFLOP/s, {peak_source}); "
           f"metrics in {metrics.path}", flush=True)
     if spread != 0.0:
-        print(f"[{RECIPE}] error: the replicas' weights differ by up to {spread:.3g}: "
-              "gradients were not all-reduced", file=sys.stderr, flush=True)
+        common.stderr_line(f"[{RECIPE}] error: the replicas' weights differ by up to {spread:.3g}: "
+                           "gradients were not all-reduced")
         return 3
     if stop.received:
         common.StopRequest.write_marker(args.out_dir, stop.received, last_step)
