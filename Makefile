@@ -1,6 +1,8 @@
 # hpcml: containers, recipes and Slurm files for training on one GPU to many (Perlmutter first).
 #   make run    train the DDP recipe on 2 CPU processes here (creates .venv on first use)
-#   make test   the default test suite (unit, parity, resume, bad input, launcher, local Slurm cluster; root)
+#   make test   the default test suite (unit, parity, resume, bad input, launcher, local Slurm cluster; root):
+#               installs the Debian packages it needs (make system-deps), the venvs and the cpu images
+#   make system-deps   the Debian packages of requirements/debian.txt that are missing (root; once)
 #   make venv-tf   .venv-tf for the TensorFlow/Horovod recipes run bare (Horovod from the horovod image)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -15,9 +17,15 @@ IMAGES := ddp megatron deepspeed accelerate horovod
 FLAVOR ?= cpu
 export FLAVOR
 IMAGE_TOOL := bash containers/images.sh
-PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
+# Test workers (pytest-xdist; one test file per worker at a time, tests in a random order whose seed the
+# run prints). PYTEST_WORKERS=0 runs in this process; PYTEST_ARGS adds options, e.g.
+#   make test PYTEST_ARGS="-k matrix"    make test PYTEST_ARGS="-p no:randomly"   (file order)
+#   make test PYTEST_ARGS="--randomly-seed=1234"                                   (an order again)
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?=
+PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
-.PHONY: help venv venv-tf run test test-unit test-slurm test-images shellcheck hadolint \
+.PHONY: help system-deps venv venv-tf run test test-unit test-slurm test-images shellcheck hadolint \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
 	bench bench-quick gpu-check nccl-check
 
@@ -28,6 +36,11 @@ help:
 	@echo "tests:   test-unit test-slurm test-images hadolint shellcheck"
 	@echo "bench:   bench (about 30 min), bench-quick; gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
 	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
+
+# Debian packages (Slurm, munge, podman, mmdebstrap, registry, skopeo, shellcheck, ...): installs what is
+# missing when root, else one line naming the command; nothing to do takes well under a second.
+system-deps:
+	@bash requirements/system-packages.sh
 
 venv: $(VENV)/.installed
 
@@ -62,19 +75,19 @@ run: venv
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
 		recipes/ddp/train.py --out-dir runs/ddp-local --no-resume
 
-# The local Slurm cluster is started by the tests themselves (and left up for the next run).
-# Builds the cpu images (cached after the first run; the horovod image compiles Horovod for ~5 minutes on
-# 2 cores the first time), the two venvs, and runs everything.
-test: venv venv-tf
+# The local Slurm cluster is started by the tests themselves (and left up for the next run), and every
+# test builds the cpu images it needs (cached after the first run; the horovod image compiles Horovod for
+# ~10 minutes on 2 cores the first time, here through venv-tf, which installs its wheel).
+test: system-deps venv venv-tf
 	$(PYTEST)
 
 test-unit: venv venv-tf
 	$(PYTEST) -m "not slurm and not containers"
 
-test-slurm: venv venv-tf
+test-slurm: system-deps venv venv-tf
 	$(PYTEST) -m slurm
 
-test-images: venv
+test-images: system-deps venv venv-tf
 	$(PYTEST) -m containers
 
 # Benchmarks: ratios measured side by side (JSON, PNG and a Markdown table in runs/bench/).

@@ -4,6 +4,7 @@
     python bench/run.py --quick         # tiny sizes, one repeat (a few minutes): make bench-quick, the tests
     python bench/run.py --no-containers # without podman
     python bench/run.py --recipes ddp megatron_tp_pp
+    python bench/run.py --quick --images-only   # image sizes and the rebuild after a recipe edit only
 
 This machine is shared and noisy, so absolute numbers mean little here: every figure that matters is a
 ratio of two measurements taken alternately (A, B, A, B, ...) in the same run, each process with one thread.
@@ -38,6 +39,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"overhead_ratio": 0.97, "recipe_edit_rebuild_s": 5.0}
+IMAGE_REPO = os.environ.get("IMAGE_REPO", "hpcml")  # the local image names containers/images.sh builds
+
+
+def image_name(image: str) -> str:
+    return f"{IMAGE_REPO}/{image}:cpu"
 WARMUP_STEPS = 2
 
 
@@ -110,7 +116,7 @@ def recipe_run(subject: Subject, work: Path, name: str, args: list[str], nproc: 
     if container:
         cmd = ["podman", "run", "--rm", "--network=host", "-e", "OMP_NUM_THREADS", "-v", f"{REPO}:{REPO}",
                "-v", f"{work}:{work}", "-w", str(REPO), "--user", f"{os.getuid()}:{os.getgid()}",
-               f"hpcml/{subject.image}:cpu", "python3", str(subject.path), *recipe_args]
+               image_name(subject.image), "python3", str(subject.path), *recipe_args]
     elif nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(subject.path), *recipe_args]
@@ -187,7 +193,7 @@ def bench_container(subject: Subject, work: Path, model_args: list[str], batch: 
     assert all(r["container"] == "podman" for r in boxed), f"{subject.recipe}: the container runs did not run in podman"
     throughput = ratio_summary([r["samples_per_s"] for r in boxed], [r["samples_per_s"] for r in bare])
     startup = ratio_summary([r["startup_s"] for r in boxed], [r["startup_s"] for r in bare])
-    return {"image": f"hpcml/{subject.image}:cpu", "throughput_ratio": throughput["ratio"], "throughput_ratios": throughput["ratios"],
+    return {"image": image_name(subject.image), "throughput_ratio": throughput["ratio"], "throughput_ratios": throughput["ratios"],
             "startup_ratio": startup["ratio"], "startup_ratios": startup["ratios"],
             "startup_s_bare": [r["startup_s"] for r in bare], "startup_s_podman": [r["startup_s"] for r in boxed],
             "samples_per_s_bare": [r["samples_per_s"] for r in bare], "samples_per_s_podman": [r["samples_per_s"] for r in boxed],
@@ -204,19 +210,30 @@ def bench_recipe(subject: Subject, work: Path, quick: bool, repeats: int, steps:
     print(f"bench: {subject.recipe}: weak scaling 1 -> 2 ranks ...", flush=True)
     result["scaling"] = bench_scaling(subject, work, model_args, batch, steps, repeats)
     if containers:
-        print(f"bench: {subject.recipe}: container cost (hpcml/{subject.image}:cpu) ...", flush=True)
+        print(f"bench: {subject.recipe}: container cost ({image_name(subject.image)}) ...", flush=True)
         result["container"] = bench_container(subject, work, model_args, batch, steps, repeats)
     return result
 
 
-def bench_images(cold: bool) -> dict:
+def build_images(images: list[str]) -> float:
+    """Build the cpu images (and their parents) from this checkout, from cache when unchanged; seconds taken."""
+    return run(["bash", str(REPO / "containers" / "images.sh"), "build", *images], timeout=3600)
+
+
+def image_size_mb(image: str) -> float:
+    result = subprocess.run(["podman", "image", "inspect", "--format", "{{.Size}}", image_name(image)],
+                            capture_output=True, text=True, env=environment())
+    if result.returncode != 0:
+        raise SystemExit(f"bench: error: {image_name(image)} is not in podman's store after building it: {result.stderr.strip()}")
+    return int(result.stdout.strip()) / 1e6
+
+
+def bench_images(cold: bool, images: list[str]) -> dict:
+    """Sizes of the images (built first: a new machine has none), then a cold build of ddp (full run only)
+    and the rebuild after a one-line recipe edit."""
+    build_images(images)
+    sizes = {image: image_size_mb(image) for image in ("base", "pytorch", *images)}
     tool = ["bash", str(REPO / "containers" / "images.sh"), "build", "ddp"]
-    sizes = {}
-    for image in ("base", "pytorch", "ddp", "megatron", "deepspeed", "accelerate", "horovod"):
-        result = subprocess.run(["podman", "image", "inspect", "--format", "{{.Size}}", f"hpcml/{image}:cpu"],
-                                capture_output=True, text=True, env=environment())
-        if result.returncode == 0:
-            sizes[image] = int(result.stdout.strip()) / 1e6
     cold_s = None
     if cold:
         cold_s = run(["env", "NO_CACHE=1", *tool], timeout=3600)
@@ -301,6 +318,8 @@ def markdown(results: dict) -> str:
              "| measure | " + " | ".join(recipes) + " | target |", "|---|" + "---|" * len(recipes) + "---|"]
     lines += [f"| {label} | " + " | ".join(cell(r) for r in recipes.values()) + f" | {target} |"
               for label, target, cell in per_recipe]
+    if not recipes:  # --images-only: no per-recipe table
+        lines = lines[:-2 - len(per_recipe)]
     if images:
         lines += ["", "| image | value | target | met |", "|---|---|---|---|",
                   f"| rebuild of ddp after a one-line recipe edit (s) | {images['recipe_edit_rebuild_s']:.1f} | "
@@ -316,8 +335,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes and one repeat (the test suite's run)")
     p.add_argument("--no-containers", action="store_true", help="skip the podman and image measurements")
     p.add_argument("--recipes", nargs="+", choices=list(SUBJECTS), default=list(SUBJECTS))
+    p.add_argument("--images-only", action="store_true", help="only the image measurements (sizes, rebuild time)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     args = p.parse_args()
+    if args.images_only and args.no_containers:
+        p.error("--images-only and --no-containers leave nothing to measure: drop one")
     import torch
 
     quick = args.quick
@@ -330,20 +352,26 @@ def main() -> None:
                         "per_rank_batch": batch, "warmup_steps_excluded": WARMUP_STEPS, "threads_per_process": 1},
                "recipes": {}}
     if not args.no_containers:
-        print("bench: image build times and sizes ...", flush=True)
-        results["images"] = bench_images(cold=not quick)
-        # Every image the container runs use, up to date with this checkout (from cache when unchanged).
-        run(["bash", str(REPO / "containers" / "images.sh"), "build", *sorted({SUBJECTS[r].image for r in args.recipes})],
-            timeout=3600)
+        images = sorted({"ddp", *(SUBJECTS[r].image for r in args.recipes)})
+        print(f"bench: image build times and sizes ({', '.join(images)}) ...", flush=True)
+        results["images"] = bench_images(cold=not quick, images=images)
+        # The cold build gave ddp's parents new ids: every image the container runs use, up to date again.
+        build_images(images)
+    if args.images_only:
+        args.recipes = []
     with tempfile.TemporaryDirectory(prefix="hpcml-bench-") as tmp:
         for name in args.recipes:
             results["recipes"][name] = bench_recipe(SUBJECTS[name], Path(tmp), quick, repeats, steps, batch,
                                                     containers=not args.no_containers)
-    plot(results, args.out)
+    figures = "loss_curves.png, throughput.png, scaling.png"
+    if results["recipes"]:
+        plot(results, args.out)
+    else:
+        figures = "no figures (no recipe measured)"
     (args.out / "RESULTS.md").write_text(markdown(results))
     (args.out / "bench.json").write_text(json.dumps(results, indent=1) + "\n")
     print(markdown(results))
-    print(f"bench: wrote {args.out}/bench.json, RESULTS.md, loss_curves.png, throughput.png, scaling.png")
+    print(f"bench: wrote {args.out}/bench.json, RESULTS.md, {figures}")
 
 
 if __name__ == "__main__":

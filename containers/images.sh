@@ -252,6 +252,15 @@ build_one() {
 cmd_build() {
     (($#)) || die "name the images to build: $KNOWN"
     check_known "$@"
+    # One build at a time per user (two make targets, or the tests' parallel workers): concurrent builds of
+    # the same parents would each make the base rootfs and race to tag the same names.
+    local lock
+    lock=${TMPDIR:-/tmp}/hpcml-images-build-$(id -u).lock
+    exec {BUILD_LOCK_FD}>>"$lock"
+    if ! flock -n "$BUILD_LOCK_FD"; then
+        say "waiting for another image build to finish (lock $lock)"
+        flock "$BUILD_LOCK_FD"
+    fi
     WHEEL_DIR=${WHEEL_DIR-${PIP_FIND_LINKS:-}}
     if [[ -n $WHEEL_DIR && ! -d $WHEEL_DIR ]]; then
         say "WHEEL_DIR=$WHEEL_DIR is not a directory: ignoring it"

@@ -80,6 +80,9 @@ def slurm_cluster() -> dict[str, str]:
     """
     result = run(["bash", str(CLUSTER_SCRIPT), "start", str(CLUSTER_NODES)], timeout=600)
     assert result.returncode == 0, f"local Slurm cluster did not start:\n{result.stdout}\n{result.stderr}"
+    # The start lock is free again: had a daemon inherited it, the other test worker would wait forever.
+    free = run(["flock", "-n", f"{CLUSTER_DIR}.lock", "true"], timeout=10)
+    assert free.returncode == 0, f"{CLUSTER_DIR}.lock is still held after the cluster started (fuser -v shows by whom)"
     return {"SLURM_CONF": str(CLUSTER_DIR / "etc" / "slurm.conf")}
 
 
@@ -117,19 +120,53 @@ def submit_recipe(cluster: dict, tmp_path: Path, recipe: str, *options: str, rec
     return result.returncode, job_id
 
 
-def job_state(job_id: str) -> str:
-    deadline = time.monotonic() + 15
+def job_records(job_id: str, timeout: float = 15) -> list[str]:
+    """Slurm's job-completion records of a job (one per run: a requeued job has several), waited for."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         records = [line for line in (CLUSTER_DIR / "jobcomp.txt").read_text().splitlines()
                    if line.startswith(f"JobId={job_id} ")]
-        if records:  # the last one: a requeued job has a record per run
-            return re.search(r"JobState=(\S+)", records[-1]).group(1)
+        if records:
+            return records
         time.sleep(0.5)
     raise AssertionError(f"job {job_id} never reached a final state in jobcomp.txt")
 
 
+def job_state(job_id: str) -> str:
+    return re.search(r"JobState=(\S+)", job_records(job_id)[-1]).group(1)  # the last run's
+
+
+def job_nodes(job_id: str, run_index: int = 0) -> list[str]:
+    """The nodes Slurm itself recorded for a run of the job (jobcomp's NodeList, expanded by scontrol).
+
+    Evidence from outside the run: the tests compare what a recipe reports against it, and never assume
+    which nodes a job gets (another test's job may hold the first ones)."""
+    nodelist = re.search(r"NodeList=(\S+)", job_records(job_id)[run_index]).group(1)
+    result = run(["scontrol", "show", "hostnames", nodelist], env={**os.environ, "SLURM_CONF": str(CLUSTER_DIR / "etc" / "slurm.conf")})
+    assert result.returncode == 0 and result.stdout.split(), f"scontrol show hostnames {nodelist}: {result.stderr}"
+    return result.stdout.split()
+
+
 def build_images(*images: str) -> None:
-    """Build the cpu flavor of the images (from cache when unchanged). A failed build fails the test."""
+    """Build the cpu flavor of the images (from cache when unchanged). A failed build fails the test.
+
+    Call it from a fixture (below), not from a test's body: the per-test timeout counts only the test's
+    own call (pyproject.toml: timeout_func_only), and a cold build of the horovod image takes ~10 minutes.
+    Concurrent builds (pytest-xdist workers) wait for each other: containers/images.sh takes a lock."""
     result = run(["bash", str(REPO / "containers" / "images.sh"), "build", *images],
                  env=container_env(FLAVOR="cpu"), timeout=3600)
     assert result.returncode == 0, f"image build failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+def image_fixture(*images: str):
+    """A session fixture that builds these cpu images (once per test process) and returns their names."""
+    @pytest.fixture(scope="session")
+    def built() -> list[str]:
+        build_images(*images)
+        return [f"hpcml/{image}:cpu" for image in images]
+    return built
+
+
+base_image = image_fixture("base")
+ddp_image = image_fixture("ddp")
+accelerate_image = image_fixture("accelerate")

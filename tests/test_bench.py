@@ -9,12 +9,15 @@ import sys
 
 import pytest
 
-from conftest import REPO, build_images, container_env, run, sbatch_recipe
+from conftest import REPO, container_env, image_fixture, run, sbatch_recipe
 
 pytestmark = pytest.mark.containers
+# The images the quick benchmark runs in, built before its timer starts (bench/run.py builds them too).
+bench_images = image_fixture("ddp", "accelerate", "deepspeed", "megatron")
 
 
-def test_quick_benchmark_writes_json_figures_and_table(tmp_path):
+@pytest.mark.timeout(1800)  # bench/run.py's own limit: about 5 minutes warm, more on a loaded machine
+def test_quick_benchmark_writes_json_figures_and_table(bench_images, tmp_path):
     result = run([sys.executable, str(REPO / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
                  env=container_env(), timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -63,10 +66,31 @@ def test_quick_benchmark_writes_json_figures_and_table(tmp_path):
     assert f"{bench['recipes']['megatron_tp_pp']['overhead']['ratio']:.3f}" in table
 
 
+def test_bench_builds_the_images_before_it_measures_them(ddp_image, tmp_path):
+    """On a new machine no image exists yet: the bench must build before it reads sizes (it once read them
+    first and failed with KeyError 'ddp'). Here under image names this store does not hold (IMAGE_REPO, as
+    containers/images.sh takes it), so the build is the bench's own; the layers come from cache."""
+    repo = f"hpcml-bench-{tmp_path.name.lower().replace('_', '-')}"
+    env = container_env(IMAGE_REPO=repo)
+    podman = lambda *args: run(["podman", *args], env=env, timeout=120)  # noqa: E731
+    assert podman("image", "exists", f"{repo}/ddp:cpu").returncode == 1, f"{repo}/ddp:cpu exists before the bench"
+    try:
+        result = run([sys.executable, str(REPO / "bench" / "run.py"), "--quick", "--images-only", "--recipes", "ddp",
+                      "--out", str(tmp_path)], env=env, timeout=900)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        images = json.loads((tmp_path / "bench.json").read_text())["images"]
+        assert set(images["size_mb"]) == {"base", "pytorch", "ddp"} and images["size_mb"]["ddp"] > 100, images
+        assert images["recipe_edit_rebuild_s"] > 0
+        assert "| size: ddp (MB) |" in (tmp_path / "RESULTS.md").read_text()
+    finally:
+        names = podman("images", "--format", "{{.Repository}}:{{.Tag}}", "--filter", f"reference=localhost/{repo}/*").stdout.split()
+        if names:
+            podman("rmi", *names)  # untags: the layers are ddp's own
+
+
 @pytest.mark.slurm
-def test_allreduce_check_runs_under_slurm_in_the_image(slurm_cluster, tmp_path):
+def test_allreduce_check_runs_under_slurm_in_the_image(slurm_cluster, ddp_image, tmp_path):
     """slurm/nccl_check.sh, unchanged, on the local cluster: gloo on CPU, so bandwidth and sums only."""
-    build_images("ddp")
     code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "nccl_check", "-N", "2", "--ntasks-per-node", "1",
                                      recipe_args=["--max-bytes", "1M", "--min-bytes", "256K", "--iters", "5"],
                                      CONTAINER_RUNTIME="podman", CONTAINER_IMAGE="hpcml/ddp:cpu")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, build_images, losses, read_metrics, recipe_env, run, sbatch_recipe
+from conftest import REPO, TINY, build_images, job_nodes, job_state, losses, read_metrics, recipe_env, run, submit_recipe
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
 MATRIX = REPO / "tests" / "matrix.toml"
@@ -125,8 +125,9 @@ def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
         env["CONTAINER_IMAGE"] = f"hpcml/{cell['image']}:cpu"
     elif recipe in BARE_PYTHON:
         env["PYTHON"] = BARE_PYTHON[recipe]
-    code, state, log = sbatch_recipe(slurm_cluster, tmp_path, recipe, "-N", str(cell["nodes"]),
-                                     "--ntasks-per-node", str(cell["tasks_per_node"]), recipe_args=args, **env)
+    code, job = submit_recipe(slurm_cluster, tmp_path, recipe, "--wait", "-N", str(cell["nodes"]),
+                              "--ntasks-per-node", str(cell["tasks_per_node"]), recipe_args=args, **env)
+    state, log = job_state(job), (tmp_path / f"{recipe}-{job}.out").read_text()
     assert f"launch: runtime={runtime} " in log, log
 
     if cell["expect"] == "config-error":
@@ -150,8 +151,11 @@ def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
         assert metrics["replicas"] == cell["devices_per_task"] and metrics["model_wrapper"] == "MirroredStrategy"
     if "--zero-stage" in args:
         assert metrics["zero_stage"] == int(args[args.index("--zero-stage") + 1])
-    expected_hosts = [f"nid{node:06d}" for node in range(1, cell["nodes"] + 1) for _ in range(cell["tasks_per_node"])]
-    assert metrics["hostnames"] == expected_hosts
+    # Each rank's host, against the nodes Slurm recorded for the job (block distribution: rank r on node
+    # r // tasks_per_node), whichever nodes those were.
+    nodes = job_nodes(job)
+    assert len(nodes) == cell["nodes"], nodes
+    assert metrics["hostnames"] == [node for node in nodes for _ in range(cell["tasks_per_node"])]
     if runtime == "podman":
         assert metrics["container"] == "podman" and metrics["python"] == IMAGE_PYTHON, metrics
     else:

@@ -219,9 +219,13 @@ print("\\n".join(before))
         "torch.cuda.synchronize()"}
 
 
-def test_every_allowed_shim_site_is_still_needed():
-    """Runs after the layout and resume tests of this module: an allow-list entry no run needed any more
-    (megatron dropped that CUDA assumption) is removed from the list, so the list stays the truth."""
-    if COVERING_TESTS != {*LAYOUTS, "resume", "batched-p2p"}:
-        pytest.skip("needs the layout, resume and batched-p2p tests of this module in the same session (and passing)")
-    assert allowed_shim_sites() == SEEN_SHIM_SITES
+@pytest.fixture(scope="module", autouse=True)
+def every_allowed_shim_site_is_still_needed():
+    """After the last test of this module, in whatever order they ran (make test shuffles them): once the
+    layout, resume and batched-p2p tests have all run and passed, every allow-list entry must have been
+    needed by one of their runs. An entry no run needs any more (megatron dropped that CUDA assumption) is
+    removed from the list, so the list stays the truth. Fails as an error at the module's teardown."""
+    yield
+    if COVERING_TESTS == {*LAYOUTS, "resume", "batched-p2p"}:
+        unused = allowed_shim_sites() - SEEN_SHIM_SITES
+        assert not unused, f"{SHIM_ALLOW_LIST.name} allows sites no run needed any more: remove {sorted(unused)}"

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO, TINY, build_images, container_env, free_port, run, sbatch_recipe
+from conftest import REPO, TINY, container_env, free_port, run, sbatch_recipe
 
 pytestmark = [pytest.mark.containers, pytest.mark.slurm]
 
@@ -55,8 +55,7 @@ def tags(registry: str, repository: str) -> list[str]:
         return sorted(json.load(response)["tags"])
 
 
-def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, tmp_path):
-    build_images("ddp")
+def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, ddp_image, tmp_path):
     pushed = make("push-ddp", REGISTRY=registry, TLS_VERIFY="false", ALLOW_DIRTY="1")
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
     immutable = pushed.stdout.strip().splitlines()[-1]
@@ -90,9 +89,9 @@ def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, tmp_pa
         shutil.rmtree(store, ignore_errors=True)
 
 
-def test_an_immutable_tag_is_never_overwritten(registry, tmp_path):
-    """Two different images with the same revision label: the second push of that tag is refused."""
-    build_images("base")  # the smallest image with everything a push needs
+def test_an_immutable_tag_is_never_overwritten(registry, base_image, tmp_path):
+    """Two different images with the same revision label: the second push of that tag is refused.
+    (base: the smallest image with everything a push needs.)"""
     repo = "hpcml-immutable-test"
     for content in ("first", "second"):
         (tmp_path / "Containerfile").write_text(
@@ -109,11 +108,10 @@ def test_an_immutable_tag_is_never_overwritten(registry, tmp_path):
     run(["podman", "rmi", "--force", f"{repo}/ddp:cpu"], env=container_env())
 
 
-def test_a_dirty_image_is_not_pushed_without_allow_dirty(registry, tmp_path):
+def test_a_dirty_image_is_not_pushed_without_allow_dirty(registry, base_image, tmp_path):
     (tmp_path / "Containerfile").write_text(
         "FROM localhost/hpcml/base:cpu\nLABEL org.opencontainers.image.revision=0123abcd-dirty\n")
     repo = "hpcml-dirty-test"
-    build_images("base")
     built = run(["podman", "build", "-q", "-t", f"{repo}/ddp:cpu", str(tmp_path)], env=container_env(), timeout=300)
     assert built.returncode == 0, built.stderr
     result = make("push-ddp", REGISTRY=registry, TLS_VERIFY="false", IMAGE_REPO=repo)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, build_images, losses, read_metrics, recipe_env, run,
+from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, job_nodes, losses, read_metrics, recipe_env, run,
                       run_single, sbatch_recipe, submit_recipe)
 
 pytestmark = pytest.mark.slurm
@@ -89,7 +89,8 @@ def test_killed_rank_ends_the_job_promptly_and_is_named(slurm_cluster, tmp_path)
     print(f"job ended {elapsed:.1f} s after rank 1 was killed")
     log = log_of(tmp_path, job)
     assert state == "FAILED" and elapsed <= 60, (state, elapsed, log)
-    assert re.search(r"srun: error: nid000002: task 1: Killed", log), log
+    # Rank 1 runs on the job's second node (block distribution, one task per node), as Slurm recorded it.
+    assert f"srun: error: {job_nodes(job)[1]}: task 1: Killed" in log, log
     assert "launch: error: the job step failed with exit code" in log
 
 
@@ -111,7 +112,7 @@ def test_stopped_rank_ends_the_job_within_the_collective_timeout(slurm_cluster, 
     print(f"job ended {elapsed:.1f} s after rank 1 was stopped (timeout {timeout_s} s)")
     log = log_of(tmp_path, job)
     assert state == "FAILED" and elapsed >= timeout_s - 1, (state, elapsed, log)
-    assert "[ddp] error: rank 0 on nid000001: a collective failed" in log, log
+    assert f"[ddp] error: rank 0 on {job_nodes(job)[0]}: a collective failed" in log, log
     assert "another rank died, hung or was stopped" in log
 
 
@@ -147,7 +148,8 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_on_the_same_curve(sl
 
 
 @pytest.mark.parametrize("runtime", ["none", pytest.param("podman", marks=pytest.mark.containers)])
-def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_launcher(slurm_cluster, tmp_path, runtime):
+def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_launcher(slurm_cluster, accelerate_image,
+                                                                                     tmp_path, runtime):
     """slurm/accelerate.sh: Slurm signals one `accelerate launch` per node; the ranks must still checkpoint.
 
     Bare, Slurm signals every process of the step; under podman only the podman client, which passes
@@ -156,8 +158,7 @@ def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_laun
     """
     env = {"CONTAINER_RUNTIME": runtime}
     if runtime == "podman":
-        build_images("accelerate")
-        env["CONTAINER_IMAGE"] = "hpcml/accelerate:cpu"
+        env["CONTAINER_IMAGE"] = accelerate_image[0]
     job = submit_recipe(slurm_cluster, tmp_path, "accelerate", "-N", "2", "--ntasks-per-node", "1",
                         recipe_args=LONG_RUN, **env)[1]
     log_path = tmp_path / f"accelerate-{job}.out"
@@ -169,7 +170,8 @@ def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_laun
     finally:
         run(["scancel", job], env=recipe_env(**slurm_cluster))
     text = log()
-    assert len(re.findall(r"per_node: nid00000[12]: USR1 to rank process \d+", text)) == 2, text
+    signalled = re.findall(r"per_node: (\S+): USR1 to rank process \d+", text)
+    assert sorted(signalled) == sorted(job_nodes(job)), text  # one launcher on each of the job's two nodes
     stopped = re.search(r"\[accelerate\] stopped by SIGUSR1 after step (\d+): checkpoint written", text)
     assert stopped, text
     step = int(stopped.group(1))
@@ -180,10 +182,10 @@ def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_laun
 
 
 def signal_time_limit_and_wait_for_requeue(cluster: dict, tmp_path: Path, recipe: str, max_steps: int,
-                                           **env: str) -> tuple[str, int]:
+                                           **env: str) -> tuple[str, int, list[str]]:
     """Submit slurm/<recipe>.sh on 2 nodes x 1 task, send SIGUSR1 once step 10 is logged (what
-    '#SBATCH --signal=USR1@T' does), wait for the job to requeue itself, then cancel it. Returns the log and
-    the step the ranks stopped after, checked to lie between 10 and max_steps."""
+    '#SBATCH --signal=USR1@T' does), wait for the job to requeue itself, then cancel it. Returns the log,
+    the step the ranks stopped after (checked to lie between 10 and max_steps) and the nodes Slurm ran it on."""
     job = submit_recipe(cluster, tmp_path, recipe, "-N", "2", "--ntasks-per-node", "1",
                         recipe_args=["--seq-len", "32", "--max-steps", str(max_steps), "--checkpoint-every", "0",
                                      "--log-every", "10"], **env)[1]
@@ -201,15 +203,15 @@ def signal_time_limit_and_wait_for_requeue(cluster: dict, tmp_path: Path, recipe
     step = int(stopped.group(1))
     assert 10 <= step < max_steps
     assert not list((tmp_path / "run" / "checkpoints").glob(".step_*.partial"))
-    return text, step
+    return text, step, job_nodes(job)
 
 
 def test_megatron_time_limit_signal_writes_a_distributed_checkpoint_across_the_pipeline(slurm_cluster, tmp_path):
     """slurm/megatron_tp_pp.sh on 2 nodes x 1 task (PP 2 across the nodes): at SIGUSR1 both stages agree on
     the step, write their shards of one distributed checkpoint, and the job requeues itself. (The resume
     itself, in the same and in another layout, is covered by tests/test_megatron.py.)"""
-    text, step = signal_time_limit_and_wait_for_requeue(slurm_cluster, tmp_path, "megatron_tp_pp", 2000)
-    assert "TP=1 PP=2 DP=1" in text and "hosts=nid000001,nid000002" in text, text
+    text, step, nodes = signal_time_limit_and_wait_for_requeue(slurm_cluster, tmp_path, "megatron_tp_pp", 2000)
+    assert "TP=1 PP=2 DP=1" in text and f"hosts={','.join(nodes)}" in text, text
     checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
     assert (checkpoint / "metadata.json").exists() and list(checkpoint.glob("*.distcp"))
@@ -219,9 +221,9 @@ def test_horovod_time_limit_signal_checkpoints_and_requeues(slurm_cluster, tmp_p
     """slurm/horovod.sh on 2 nodes x 1 task, bare (.venv-tf): at SIGUSR1 the Horovod ranks agree on the step
     (an all-reduce max of what each received), rank 0 publishes one TensorFlow checkpoint, and the job
     requeues itself. (Resuming from it is tests/test_tensorflow.py's.)"""
-    text, step = signal_time_limit_and_wait_for_requeue(slurm_cluster, tmp_path, "horovod", 100000,
-                                                        PYTHON=str(REPO / ".venv-tf" / "bin" / "python"))
-    assert "world_size=2 controller=gloo" in text and "hosts=nid000001,nid000002" in text, text
+    text, step, nodes = signal_time_limit_and_wait_for_requeue(slurm_cluster, tmp_path, "horovod", 100000,
+                                                               PYTHON=str(REPO / ".venv-tf" / "bin" / "python"))
+    assert "world_size=2 controller=gloo" in text and f"hosts={','.join(nodes)}" in text, text
     checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
     assert json.loads((checkpoint / "meta.json").read_text())["step"] == step
     assert (checkpoint / "ckpt.index").exists()

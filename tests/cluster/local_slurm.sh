@@ -268,7 +268,16 @@ cmd_status() {
 }
 
 case ${1:-} in
-start) shift; cmd_start "$@" ;;
+start)
+    shift
+    # One start at a time (the tests' parallel workers each ask for the cluster): the second one waits,
+    # then finds it running. flock -o: the lock is the flock process's own, so the daemons this start
+    # leaves running do not inherit it (they would hold it for as long as they live).
+    if [[ -z ${LOCAL_SLURM_START_LOCKED:-} ]]; then
+        LOCAL_SLURM_START_LOCKED=1 exec flock -o "$STATE_DIR.lock" bash "${BASH_SOURCE[0]}" start "$@"
+    fi
+    cmd_start "$@"
+    ;;
 stop) cmd_stop ;;
 status) cmd_status ;;
 env) echo "export SLURM_CONF=$STATE_DIR/etc/slurm.conf" ;;
