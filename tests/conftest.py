@@ -80,9 +80,10 @@ def slurm_cluster() -> dict[str, str]:
     """
     result = run(["bash", str(CLUSTER_SCRIPT), "start", str(CLUSTER_NODES)], timeout=600)
     assert result.returncode == 0, f"local Slurm cluster did not start:\n{result.stdout}\n{result.stderr}"
-    # The start lock is free again: had a daemon inherited it, the other test worker would wait forever.
-    free = run(["flock", "-n", f"{CLUSTER_DIR}.lock", "true"], timeout=10)
-    assert free.returncode == 0, f"{CLUSTER_DIR}.lock is still held after the cluster started (fuser -v shows by whom)"
+    # The start lock comes free (the other test worker may hold it a moment for its own start): had a
+    # daemon inherited it, that worker would wait forever.
+    free = run(["flock", "-w", "60", f"{CLUSTER_DIR}.lock", "true"], timeout=90)
+    assert free.returncode == 0, f"{CLUSTER_DIR}.lock is still held 60 s after the cluster started (fuser -v shows by whom)"
     return {"SLURM_CONF": str(CLUSTER_DIR / "etc" / "slurm.conf")}
 
 
