@@ -83,9 +83,14 @@ def test_bench_builds_the_images_before_it_measures_them(ddp_image, tmp_path):
         assert images["recipe_edit_rebuild_s"] > 0
         assert "| size: ddp (MB) |" in (tmp_path / "RESULTS.md").read_text()
     finally:
-        names = podman("images", "--format", "{{.Repository}}:{{.Tag}}", "--filter", f"reference=localhost/{repo}/*").stdout.split()
+        # Only this test's names: an image also named hpcml/... (the same layers, from cache) is listed under
+        # every one of its names, and `rmi` of all of them would delete the suite's own images.
+        names = [name for name in podman("images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split()
+                 if name.startswith(f"localhost/{repo}/")]
         if names:
-            podman("rmi", *names)  # untags: the layers are ddp's own
+            podman("rmi", *names)  # untags where hpcml/... shares the image
+    for image in ("base", "pytorch", "ddp"):
+        assert podman("image", "exists", f"hpcml/{image}:cpu").returncode == 0, f"the test removed hpcml/{image}:cpu"
 
 
 @pytest.mark.slurm
