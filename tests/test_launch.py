@@ -125,6 +125,7 @@ def test_podman_hpc_command():
 
 def test_nccl_net_check_can_be_turned_off():
     result = launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", NCCL_NET="")
+    assert result.returncode == 0, result.stderr
     assert "NCCL_NET=(any)" in result.stdout
 
 

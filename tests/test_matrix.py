@@ -57,6 +57,8 @@ def load_cells() -> list[dict]:
         assert not unknown, f"matrix.toml: unknown keys {unknown} in {cell}"
         assert cell["expect"] in ("pass", "config-error"), cell
         assert cell["runtime"] in ("podman", "none"), cell
+        # A typo in a recipe's name must not drop its cell from the matrix without a word.
+        assert (REPO / "recipes" / cell["recipe"] / "train.py").exists(), f"matrix.toml: no recipe {cell['recipe']!r}: {cell}"
     return cells
 
 
@@ -65,7 +67,7 @@ def cell_id(cell: dict) -> str:
             f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else ""))
 
 
-CELLS = [cell for cell in load_cells() if (REPO / "recipes" / cell["recipe"] / "train.py").exists()]
+CELLS = load_cells()
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +133,7 @@ def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
     assert f"launch: runtime={runtime} " in log, log
 
     if cell["expect"] == "config-error":
-        assert code != 0 and state == "FAILED", log
+        assert code == 2 and state == "FAILED", log  # the preflight's exit code for bad input
         errors = {line for line in log.splitlines() if line.startswith(f"[{recipe}] error:")}
         assert len(errors) == 1, log  # one message (each rank may print it), and nothing else went wrong
         assert "Traceback" not in log and not re.search(rf"^\[{recipe}\] step ", log, re.M), log
