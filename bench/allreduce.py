@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import common  # noqa: E402
+import harness  # noqa: E402
 
 NAME = "allreduce"
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -35,9 +35,9 @@ def size_in_bytes(text: str) -> int:
     try:
         value = int(number) * UNITS.get(unit, 1)
     except ValueError:
-        raise common.ConfigError(f"'{text}' is not a size (e.g. 1M, 4G)") from None
+        raise harness.ConfigError(f"'{text}' is not a size (e.g. 1M, 4G)") from None
     if value < 4:
-        raise common.ConfigError(f"size '{text}' is smaller than one float32")
+        raise harness.ConfigError(f"size '{text}' is smaller than one float32")
     return value
 
 
@@ -54,23 +54,23 @@ def main() -> int:
     args = p.parse_args()
     low, high = size_in_bytes(args.min_bytes), size_in_bytes(args.max_bytes)
     if low > high or args.iters < 1 or args.warmup < 0:
-        raise common.ConfigError("need --min-bytes <= --max-bytes, --iters >= 1 and --warmup >= 0")
+        raise harness.ConfigError("need --min-bytes <= --max-bytes, --iters >= 1 and --warmup >= 0")
     if args.preflight is not None:
         if args.preflight < 2:
-            raise common.ConfigError(f"an all-reduce check needs at least 2 ranks, the job has {args.preflight}")
+            raise harness.ConfigError(f"an all-reduce check needs at least 2 ranks, the job has {args.preflight}")
         print(f"[{NAME}] preflight: {args.preflight} ranks, {args.min_bytes} to {args.max_bytes}", flush=True)
         return 0
 
-    env = common.detect_dist_env()
+    env = harness.detect_dist_env()
     if env.world_size < 2:
-        raise common.ConfigError("an all-reduce check needs at least 2 ranks")
+        raise harness.ConfigError("an all-reduce check needs at least 2 ranks")
     if env.rank == 0:
         args.out_dir.mkdir(parents=True, exist_ok=True)
     # NCCL's own account of the transport it chose, one file per process (read back by rank 0 below).
     os.environ.setdefault("NCCL_DEBUG", "INFO")
     os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
     os.environ.setdefault("NCCL_DEBUG_FILE", str(args.out_dir.resolve() / "nccl.%h.%p.log"))
-    device, backend = common.setup_torch_distributed(env, args.timeout_s)
+    device, backend = harness.setup_torch_distributed(env, args.timeout_s)
     factor = 2 * (env.world_size - 1) / env.world_size
 
     def synchronize() -> None:
@@ -117,8 +117,8 @@ def main() -> int:
                                 f"--min-busbw {args.min_busbw} GB/s")
         if any(r["correct"] is False for r in results):
             problems.append("an all-reduce returned a wrong sum")
-        common.atomic_write_bytes(args.out_dir / "allreduce.json", (json.dumps({
-            **common.describe_run(env, backend, device, "none"), "transport": transport, "results": results,
+        harness.atomic_write_bytes(args.out_dir / "allreduce.json", (json.dumps({
+            **harness.describe_run(env, backend, device, "none"), "transport": transport, "results": results,
             "problems": problems}, indent=1) + "\n").encode())
         for problem in problems:
             print(f"[{NAME}] error: {problem}", file=sys.stderr, flush=True)
@@ -131,7 +131,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except common.ConfigError as error:
-        common.exit_on_config_error(NAME, error)
+    harness.main_entry(NAME, main)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import common  # noqa: E402
+import harness  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    data = common.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     model.train()
     history = []
     for step in range(1, args.max_steps + 1):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes" / "megatron_tp_pp"
 sys.path[:0] = [str(RECIPE_DIR.parent), str(RECIPE_DIR)]
-import common  # noqa: E402
+import harness  # noqa: E402
 from train import init_weights_by_global_name  # noqa: E402  (the recipe's weights, so both start alike)
 
 
@@ -60,7 +60,7 @@ def main() -> None:
                      max_sequence_length=args.seq_len, position_embedding_type="rope")
     init_weights_by_global_name([model], args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    data = common.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     causal_mask = torch.triu(torch.ones(1, 1, args.seq_len, args.seq_len, dtype=torch.bool), diagonal=1)
     position_ids = torch.arange(args.seq_len).unsqueeze(0)
     model.train()

@@ -7,7 +7,7 @@
 
 Run it on a GPU machine (a lent H200, a Perlmutter node: `srun -N 1 -G 4 --pty ...`). It writes
 OUT/gpu_check.json with the GPU, the driver-visible CUDA and NCCL versions and, per mode, tokens/s per
-GPU and MFU against the data-sheet bf16 peak (recipes/common.py: GPU_PEAK_FLOPS). Without a GPU it
+GPU and MFU against the data-sheet bf16 peak (recipes/harness/metrics.py: GPU_PEAK_FLOPS). Without a GPU it
 measures nothing, says so, and exits 2: there is no CPU fallback that could be mistaken for a result.
 The Megatron recipe runs the same GPT shape at TP=1 (one model per GPU, DP over the GPUs), with
 Transformer Engine's layers where TE is installed (the megatron:cuda image) and megatron's own otherwise;

@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.metrics import transformer_flops_per_token
+
 
 @dataclass
 class GPTConfig:
@@ -19,6 +21,11 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
+
+    @classmethod
+    def from_args(cls, args) -> "GPTConfig":
+        """From the options of harness.add_data_options and add_gpt_options."""
+        return cls(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd)
 
 
 class CausalSelfAttention(nn.Module):
@@ -81,3 +88,12 @@ class GPT(nn.Module):
     def num_params_for_flops(self) -> int:
         """Parameters that take part in matmuls: all but the position embedding (a lookup)."""
         return sum(p.numel() for p in self.parameters()) - self.pos_emb.weight.numel()
+
+    def size(self) -> tuple[int, float]:
+        """(parameters, training FLOPs per token): what the metrics log and MFU need."""
+        return sum(p.numel() for p in self.parameters()), self.flops_per_token()
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, for MFU: 6N + 12*L*d*T (harness.transformer_flops_per_token)."""
+        cfg = self.cfg
+        return transformer_flops_per_token(self.num_params_for_flops(), cfg.n_layer, cfg.n_embd, cfg.seq_len)

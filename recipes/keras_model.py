@@ -2,19 +2,31 @@
 and its FLOPs and peak for MFU.
 
 Token embedding -> causal 1-D convolution over the last two tokens -> MLP -> logits. Two tokens of context are
-what the synthetic task needs (common.numpy_token_batch: arithmetic sequences, next = last + stride), so the
+what the synthetic task needs (harness.numpy_token_batch: arithmetic sequences, next = last + stride), so the
 loss falls well below ln(vocab) as it learns. Horovod's Keras integration needs Keras 2: the images set
 TF_USE_LEGACY_KERAS=1, so ``tf.keras`` is tf-keras.
+
+Importing this module does not load TensorFlow (the recipes' --preflight answers in a second); it sets what
+must be set before TensorFlow loads, and the functions below import it.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import tensorflow as tf
+import harness
 
-import common
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+# Before TensorFlow loads: Keras 2 (tf-keras), which Horovod's TensorFlow integration needs, and no INFO
+# lines from TensorFlow's C++ side (oneDNN, CPU features) in the training log.
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 
 @dataclass(frozen=True)
@@ -24,9 +36,24 @@ class TokenModelConfig:
     d_model: int = 64
     d_hidden: int = 256
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TokenModelConfig":
+        return cls(args.vocab_size, args.seq_len, args.d_model, args.d_hidden)
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The model's options, shared by the TensorFlow recipes (their parsers add them after their own)."""
+    g = p.add_argument_group("model (recipes/keras_model.py)")
+    g.add_argument("--d-model", type=int, default=64)
+    g.add_argument("--d-hidden", type=int, default=256)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto = mixed bfloat16 on GPU, float32 on CPU")
+
 
 def build_model(cfg: TokenModelConfig, seed: int) -> tf.keras.Model:
     """The same weights for the same seed, in any process: ranks and the single-process reference agree."""
+    import tensorflow as tf
+
     init = lambda offset: tf.keras.initializers.GlorotUniform(seed=seed + offset)  # noqa: E731
     tokens = tf.keras.Input(shape=(cfg.seq_len,), dtype="int32", name="tokens")
     x = tf.keras.layers.Embedding(cfg.vocab_size, cfg.d_model,
@@ -41,6 +68,8 @@ def build_model(cfg: TokenModelConfig, seed: int) -> tf.keras.Model:
 
 def flops_per_token(model: tf.keras.Model) -> float:
     """Training FLOPs per token: 6 x the weights of the matmul layers (the embedding is a lookup)."""
+    import tensorflow as tf
+
     matmul_params = sum(int(tf.size(w)) for layer in model.layers if not isinstance(layer, tf.keras.layers.Embedding)
                         for w in layer.trainable_weights)
     return 6.0 * matmul_params
@@ -48,6 +77,8 @@ def flops_per_token(model: tf.keras.Model) -> float:
 
 def loss_per_token(targets: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     """Cross-entropy of every position, shape (batch, seq_len)."""
+    import tensorflow as tf
+
     return tf.keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
 
 
@@ -56,7 +87,9 @@ def peak_flops(gpu_name: str | None, dtype_name: str, override_tflops: float | N
     if override_tflops:
         return override_tflops * 1e12, "--peak-tflops"
     if gpu_name:
-        return common.gpu_peak_flops(gpu_name, dtype_name)
+        return harness.gpu_peak_flops(gpu_name, dtype_name)
+    import tensorflow as tf
+
     size, seconds = 1024, 0.3
     a, b = tf.random.normal((size, size)), tf.random.normal((size, size))
     tf.linalg.matmul(a, b).numpy()  # warm-up

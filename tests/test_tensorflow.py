@@ -213,7 +213,7 @@ def test_slurm_task_layout_becomes_horovods_rank_layout():
     environ = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
                "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "nid[01-02]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
                "SLURMD_NODENAME": "nid01"}  # rank 1 belongs on nid02 under the block distribution
-    with pytest.raises(horovod_launch.common.ConfigError, match="use srun's default --distribution=block"):
+    with pytest.raises(horovod_launch.harness.ConfigError, match="use srun's default --distribution=block"):
         horovod_launch.prepare_world(dict(environ))
     assert horovod_launch.prepare_world({**environ, "HOROVOD_RANK": "1"}) == "horovodrun"
     assert horovod_launch.prepare_world({**environ, "HOROVOD_CONTROLLER": "mpi"}) == "srun (MPI controller)"

@@ -22,7 +22,8 @@ def test_requirements_and_image_pins_agree():
     bare = pins(REPO / "requirements" / "cpu.txt") | pins(REPO / "requirements" / "frameworks.txt")
     image = {"torch": env["TORCH_VERSION_cpu"], "numpy": env["NUMPY_VERSION_cpu"],
              "accelerate": env["ACCELERATE_VERSION"], "deepspeed": env["DEEPSPEED_VERSION"],
-             "megatron-core": env["MEGATRON_CORE_VERSION"], "psutil": env["PSUTIL_VERSION"]}
+             "megatron-core": env["MEGATRON_CORE_VERSION"], "psutil": env["PSUTIL_VERSION"],
+             "tensorboard": env["TENSORBOARD_VERSION"]}
     assert {name: bare.get(name) for name in image} == image
 
 
@@ -31,5 +32,6 @@ def test_tensorflow_venv_and_horovod_image_pins_agree():
     env = dict(re.findall(r"^([A-Za-z0-9_]+)=(\S*)$", (REPO / "containers" / "versions.env").read_text(), re.M))
     bare = pins(REPO / "requirements" / "tensorflow.txt")
     image = {"torch": env["TORCH_VERSION_cpu"], "numpy": env["NUMPY_VERSION_cpu"],
-             "tensorflow-cpu": env["TENSORFLOW_VERSION_cpu"], "mpich": env["MPICH_VERSION"]}
+             "tensorflow-cpu": env["TENSORFLOW_VERSION_cpu"], "mpich": env["MPICH_VERSION"],
+             "tensorboard": env["TENSORBOARD_VERSION"]}
     assert {name: bare.get(name) for name in image} == image

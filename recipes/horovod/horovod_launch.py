@@ -11,10 +11,13 @@
   Horovod's gloo controller does the rest: the same code path as horovodrun, with srun as the launcher.
 
 ``prepare_world()`` must run before ``hvd.init()``; it returns the launcher's name for the logs.
+``add_batch_options`` adds the batch and learning-rate options both Horovod recipes take, in Horovod's
+convention (the batch is per rank, the learning rate is scaled by the world size).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import socket
@@ -22,8 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the shared module
-import common  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the harness
+import harness  # noqa: E402
+
+
+def add_batch_options(p: argparse.ArgumentParser, lr: float, optimizer: str) -> None:
+    p.add_argument("--batch-per-rank", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=lr, help=f"{optimizer} learning rate for one rank; used x world size")
 
 
 def tasks_per_node(spec: str) -> list[int]:
@@ -32,7 +40,7 @@ def tasks_per_node(spec: str) -> list[int]:
     for item in spec.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if not match:
-            raise common.ConfigError(f"cannot read SLURM_STEP_TASKS_PER_NODE='{spec}'")
+            raise harness.ConfigError(f"cannot read SLURM_STEP_TASKS_PER_NODE='{spec}'")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts
 
@@ -41,7 +49,7 @@ def slot_layout(hosts: list[str], counts: list[int]) -> list[dict]:
     """One dict per rank, as horovodrun assigns them: ranks fill the hosts in order (srun's block
     distribution); cross_rank/cross_size number the hosts that have a rank with the same local rank."""
     if len(hosts) != len(counts):
-        raise common.ConfigError(f"{len(hosts)} hosts in the step's node list but task counts for {len(counts)}")
+        raise harness.ConfigError(f"{len(hosts)} hosts in the step's node list but task counts for {len(counts)}")
     size = sum(counts)
     slots, rank = [], 0
     for host_index, (host, count) in enumerate(zip(hosts, counts)):
@@ -62,15 +70,15 @@ def prepare_world(environ: dict | None = None, rendezvous_timeout_s: float = 120
         return "srun (MPI controller)" if under_srun else "mpiexec (MPI controller)"
     if not under_srun:
         return "mpiexec (MPI controller)" if "PMI_RANK" in env else "single"
-    dist_env = common.detect_dist_env(env)  # srun: rank, world size, rank 0's host, the job's port
+    dist_env = harness.detect_dist_env(env)  # srun: rank, world size, rank 0's host, the job's port
     if dist_env.world_size == 1:
         return "single"
-    hosts = common.expand_hostlist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+    hosts = harness.expand_hostlist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
     slots = slot_layout(hosts, tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))))
     mine = slots[dist_env.rank]
     here = env.get("SLURMD_NODENAME", socket.gethostname())
     if mine["hostname"] != here or mine["local_rank"] != dist_env.local_rank:
-        raise common.ConfigError(
+        raise harness.ConfigError(
             f"srun placed rank {dist_env.rank} on {here} (local rank {dist_env.local_rank}), not where a block "
             f"distribution puts it ({mine['hostname']}, local rank {mine['local_rank']}): use srun's default "
             "--distribution=block"
@@ -100,7 +108,7 @@ def serve_rendezvous(port: int, slots: list[dict]) -> None:
     try:
         server = RendezvousHTTPServer(("", port), RendezvousHandler, 0)
     except OSError as error:
-        raise common.ConfigError(f"rank 0 cannot serve Horovod's rendezvous on port {port} ({error.strerror}): "
+        raise harness.ConfigError(f"rank 0 cannot serve Horovod's rendezvous on port {port} ({error.strerror}): "
                                  "set MASTER_PORT to a free port") from None
     server.init([SlotInfo(**slot) for slot in slots])
     threading.Thread(target=server.serve_forever, name="horovod-rendezvous", daemon=True).start()
@@ -114,7 +122,7 @@ def wait_for_port(address: str, port: int, timeout_s: float) -> None:
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise common.ConfigError(
+                raise harness.ConfigError(
                     f"rank 0's Horovod rendezvous at {address}:{port} did not answer within {timeout_s:.0f} s: "
                     "rank 0 failed to start (see its error above) or the port is blocked between the nodes"
                 ) from None

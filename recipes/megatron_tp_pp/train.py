@@ -29,32 +29,24 @@ any rank starts (--preflight WORLD_SIZE, which slurm/lib/launch.sh runs), each w
 from __future__ import annotations
 
 import argparse
-import gc
-import importlib.util
-import json
-import os
-import re
-import shutil
-import signal
 import sys
-import time
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the shared modules
-import common  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the harness
+import harness  # noqa: E402
+from layout import Layout, have_transformer_engine, model_settings, validate  # noqa: E402  (next to this file)
 
 RECIPE = "megatron_tp_pp"
-TRAINER_STATE = "trainer_state.json"  # step, loss history and layout, next to the distributed checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.new_parser(__doc__)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks that split each layer (within a node)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: ranks that each hold a block of layers")
     p.add_argument("--vp", type=int, default=None,
@@ -64,8 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--tie-embeddings", action="store_true", help="share the input embedding with the output layer")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
@@ -75,142 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="batch the pipeline's send/recv pairs (refused with --vp at --pp 2: the messages get swapped)")
     p.add_argument("--layer-spec", choices=["auto", "local", "te"], default="auto",
                    help="auto: Transformer Engine layers on GPU where TE is installed, megatron's torch layers otherwise")
-    p.add_argument("--max-steps", type=int, default=30)
-    p.add_argument("--seed", type=int, default=1234, help="seeds the weights and the synthetic data")
-    p.add_argument("--out-dir", type=Path, default=Path("runs/megatron_tp_pp"), help="checkpoints and metrics.json")
-    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out-dir")
-    p.add_argument("--stop-at-step", type=int, default=None,
-                   help="checkpoint and exit after this step, as if the allocation ended; rerun to continue")
-    p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--timeout-s", type=float, default=300.0,
-                   help="process-group timeout: a collective that waits longer fails the job")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s per device for MFU (default: data sheet on GPU, measured matmul on CPU)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="for the TP placement check (default: from Slurm or torchrun variables)")
-    p.add_argument("--config", type=Path, default=None,
-                   help="a TOML file of these options (keys as here, without '--'); the command line wins")
-    p.add_argument("--preflight", type=int, default=None, metavar="WORLD_SIZE",
-                   help="only check the options (and a checkpoint to resume) for this many ranks, then exit")
     p.add_argument("--unsafe-batch-p2p-with-vp", action="store_true",
                    help="TESTS ONLY, wrong on purpose: allow --batch-p2p-comm with --vp at --pp 2 (the negative control)")
-    return common.parse_args_with_config(p, argv)
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    vp: int | None
-    micro_batch: int
-    num_microbatches: int  # per DP rank and optimizer step
-
-
-def ranks_per_node_from_env(environ=os.environ) -> int | None:
-    """Ranks on this node, as the launcher says: torchrun's LOCAL_WORLD_SIZE or Slurm's tasks per node."""
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        if environ.get(name, "").isdigit():
-            return int(environ[name])
-    match = re.match(r"(\d+)", environ.get("SLURM_TASKS_PER_NODE", ""))  # e.g. "4(x2)"
-    return int(match.group(1)) if match else None
-
-
-def validate(args: argparse.Namespace, world_size: int) -> Layout:
-    """Every rule megatron would otherwise enforce with an assertion deep inside, checked first, one line each."""
-    for name in ("tp", "pp", "micro_batch", "global_batch", "num_layers", "hidden_size", "num_heads", "seq_len",
-                 "vocab_size", "max_steps", "log_every"):
-        if getattr(args, name) < 1:
-            raise common.ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("lr", "timeout_s"):
-        if not getattr(args, name) > 0:
-            raise common.ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.clip_grad < 0:
-        raise common.ConfigError(f"--clip-grad must be 0 (no clipping) or more, got {args.clip_grad}")
-    if args.checkpoint_every < 0:
-        raise common.ConfigError(f"--checkpoint-every must be 0 (only at the end) or more, got {args.checkpoint_every}")
-    if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
-        raise common.ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
-    if importlib.util.find_spec("psutil") is None:  # megatron-core uses it undeclared; its save hangs without
-        raise common.ConfigError("psutil is not installed, and megatron-core's checkpoint writer needs it: "
-                                 "pip install psutil (the megatron image has it)")
-    tp, pp = args.tp, args.pp
-    if world_size % (tp * pp):
-        raise common.ConfigError(
-            f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}: "
-            f"launch a multiple of {tp * pp} ranks, or change --tp/--pp"
-        )
-    dp = world_size // (tp * pp)
-    if args.num_heads % tp:
-        raise common.ConfigError(f"--num-heads {args.num_heads} is not divisible by --tp {tp}: each TP rank takes whole heads")
-    if args.hidden_size % tp:
-        raise common.ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --tp {tp}")
-    if args.hidden_size % args.num_heads:
-        raise common.ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --num-heads {args.num_heads}")
-    if args.vocab_size % tp:
-        raise common.ConfigError(f"--vocab-size {args.vocab_size} is not divisible by --tp {tp}: the embedding is split by vocabulary rows")
-    if args.vp is not None:
-        if args.vp < 2 or pp < 2:
-            raise common.ConfigError(f"--vp {args.vp} needs --vp >= 2 and --pp >= 2 (leave --vp out for the plain schedule)")
-        if args.batch_p2p_comm and pp == 2 and not args.unsafe_batch_p2p_with_vp:
-            raise common.ConfigError(
-                "--batch-p2p-comm with --vp at --pp 2 trains on swapped activations (the previous and next stage "
-                "are the same rank and the batched messages cross; a known Megatron-LM problem): drop --batch-p2p-comm"
-            )
-    stages = pp * (args.vp or 1)
-    if args.num_layers % stages:
-        what = f"PP x VP = {pp} x {args.vp} = {stages}" if args.vp else f"--pp {pp}"
-        raise common.ConfigError(f"--num-layers {args.num_layers} is not divisible by {what}: every stage needs the same number of layers")
-    rows = args.micro_batch * dp
-    if args.global_batch % rows:
-        raise common.ConfigError(
-            f"--global-batch {args.global_batch} is not divisible by --micro-batch {args.micro_batch} x DP {dp} = {rows}; "
-            f"use a multiple of {rows} (e.g. --global-batch {-(-args.global_batch // rows) * rows})"
-        )
-    num_microbatches = args.global_batch // rows
-    if pp > 1 and num_microbatches < pp:
-        common.stderr_line(f"[{RECIPE}] warning: {num_microbatches} micro-batches for {pp} pipeline stages: most "
-                           f"stages wait (the bubble); use --global-batch >= {pp * rows}")
-    if args.vp is not None and num_microbatches % pp:
-        raise common.ConfigError(f"the interleaved schedule (--vp) needs micro-batches ({num_microbatches}) divisible by --pp {pp}")
-    if args.layer_spec == "te" and not (torch.cuda.is_available() and have_transformer_engine()):
-        raise common.ConfigError("--layer-spec te needs a GPU and Transformer Engine (the cuda image has both); use auto or local")
-    per_node = args.ranks_per_node or ranks_per_node_from_env()
-    if per_node and tp > per_node:
-        common.stderr_line(f"[{RECIPE}] warning: --tp {tp} is more than the {per_node} ranks per node: tensor "
-                           "parallelism across nodes all-reduces every layer over the network (slow on Slingshot); "
-                           "keep TP within a node and use PP")
-    return Layout(tp, pp, dp, args.vp, args.micro_batch, num_microbatches)
-
-
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def model_settings(args: argparse.Namespace) -> dict:
-    """What a checkpoint must match to be resumed (the layout may differ: distributed checkpoints reshard)."""
-    keys = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "tie_embeddings", "global_batch", "seed")
-    return {key: getattr(args, key) for key in keys}
-
-
-def load_trainer_state(args: argparse.Namespace) -> tuple[Path | None, dict | None]:
-    resume_from = None if args.no_resume else common.latest_checkpoint_dir(args.out_dir / "checkpoints")
-    if resume_from is None:
-        return None, None
-    try:
-        state = json.loads((resume_from / TRAINER_STATE).read_text())
-    except (OSError, ValueError) as error:
-        raise common.ConfigError(f"cannot read {resume_from / TRAINER_STATE} ({type(error).__name__}): "
-                                 "move the checkpoint away, or use --no-resume") from None
-    if state["model"] != model_settings(args):
-        raise common.ConfigError(f"{resume_from} was written with {state['model']}; use the same settings, "
-                                 "a new --out-dir, or --no-resume")
-    return resume_from, state
+    return harness.parse_recipe_args(p, RECIPE, argv)
 
 
 def init_weights_by_global_name(model_chunks, seed: int) -> None:
@@ -242,24 +101,21 @@ def init_weights_by_global_name(model_chunks, seed: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    must_match = {"model": model_settings(args)}  # to resume a checkpoint (in any layout: megatron reshards)
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank (no megatron import: seconds)
         layout = validate(args, args.preflight)
-        resume_from, _ = load_trainer_state(args)
-        print(f"[{RECIPE}] preflight: TP {layout.tp} x PP {layout.pp} x DP {layout.dp} = {args.preflight} ranks, "
-              f"{layout.num_microbatches} micro-batches of {layout.micro_batch}"
-              + (f", VP {layout.vp}" if layout.vp else "")
-              + (f"; will resume from {resume_from}" if resume_from else ""), flush=True)
-        return 0
-    env = common.detect_dist_env()
+        resume_from, _ = harness.resume_dir(args, must_match)
+        return harness.preflight_line(RECIPE, f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp} = {args.preflight} "
+                                      f"ranks, {layout.num_microbatches} micro-batches of {layout.micro_batch}"
+                                      + (f", VP {layout.vp}" if layout.vp else ""), resume_from)
+    env = harness.detect_dist_env()
     layout = validate(args, env.world_size)
-    common.check_expected_world_size(env.world_size)
-    resume_from, trainer_state = load_trainer_state(args)
+    harness.check_expected_world_size(env.world_size)
+    resume_from, trainer_state = harness.resume_dir(args, must_match)
     checkpoint_dir = args.out_dir / "checkpoints"
 
     # ---- rank, device, backend (gloo on CPU, NCCL on GPU); megatron needs a process group even for one rank
-    device, backend = common.setup_torch_distributed(env, args.timeout_s)
-    if env.world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    device, backend = harness.setup_torch_distributed(env, args.timeout_s, always_group=True)
     # Without Transformer Engine/apex megatron warns at import, once per module: the log line below says it.
     warnings.filterwarnings("ignore", r"(Transformer Engine and )?Apex (is|are) not installed", UserWarning)
     warnings.filterwarnings("ignore", "full scope is deprecated", UserWarning)
@@ -292,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     dp_rank = parallel_state.get_data_parallel_rank()
     # The loss lives on the last pipeline stage: its first TP rank of the first DP replica logs.
     is_logging_rank = pp_rank == layout.pp - 1 and tp_rank == 0 and dp_rank == 0
-    hostnames = common.all_hostnames(env.world_size)
+    hostnames = harness.all_hostnames(env.world_size)
     dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
     if env.rank == 0:
         print(f"[{RECIPE}] world_size={env.world_size} backend={backend} device={device.type} "
@@ -333,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         model_chunks.append(chunk)
     init_weights_by_global_name(model_chunks, args.seed)
     n_params = count_global_parameters(model_chunks, layout, args.tie_embeddings, device)
-    flops_per_token = common.transformer_flops_per_token(n_params, args.num_layers, args.hidden_size, args.seq_len)
+    flops_per_token = harness.transformer_flops_per_token(n_params, args.num_layers, args.hidden_size, args.seq_len)
 
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.distributed_optimizer)
     model_chunks = [
@@ -368,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             loaded = dist_checkpointing.load(sharded_state(is_loading=True), str(resume_from))
         except Exception as error:  # its errors are deep and long; say which checkpoint and what to do
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise common.ConfigError(f"cannot load {resume_from}: {first_line[:300]}; "
+            raise harness.ConfigError(f"cannot load {resume_from}: {first_line[:300]}; "
                                      "move it away, use a new --out-dir, or --no-resume") from error
         for i, chunk in enumerate(model_chunks):
             chunk.module.load_state_dict(loaded[f"model{i}"])
@@ -377,42 +233,25 @@ def main(argv: list[str] | None = None) -> int:
         if env.rank == 0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
-    peak, peak_source = common.peak_flops(device, dtype, args.peak_tflops)
-    layout_info = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "vp": layout.vp,
-                   "micro_batch": layout.micro_batch, "num_microbatches": layout.num_microbatches}
-    metrics = common.MetricsLogger(
-        recipe=RECIPE, path=args.out_dir / "metrics.json", is_logging_rank=is_logging_rank,
-        tokens_per_sample=args.seq_len, flops_per_token=flops_per_token, peak_flops_per_device=peak,
-        peak_source=peak_source, world_size=env.world_size, log_every=args.log_every, history=history,
-        run_info={**common.describe_run(env, backend, device, type(model_chunks[0]).__name__), "hostnames": hostnames,
-                  "layout": layout_info, "n_params": n_params, "megatron_core_version": megatron_version,
-                  "optimizer": type(optimizer).__name__, "dtype": str(dtype), "config": vars(args),
-                  "layer_spec": "transformer_engine" if use_te else "local",
-                  "cpu_placement_shim": device.type == "cpu", "resumed_from_step": start_step or None},
-    )
-    if is_logging_rank:
-        print(f"[{RECIPE}] {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.2f} MFLOP/token "
-              f"(6N + 12*L*d*T), peak {peak / 1e12:.3f} TFLOP/s per device ({peak_source})", flush=True)
+    layout_info = asdict(layout)
+    run_info = {**harness.describe_run(env, backend, device, type(model_chunks[0]).__name__, **layout_info),
+                "megatron_core_version": megatron_version, "optimizer": type(optimizer).__name__, "dtype": str(dtype),
+                "layer_spec": "transformer_engine" if use_te else "local", "cpu_placement_shim": device.type == "cpu",
+                "hostnames": hostnames}
+    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_logging_rank,
+                                    devices=env.world_size, size=(n_params, flops_per_token),
+                                    peak=harness.peak_flops(device, dtype, args.peak_tflops))
 
-    def save(step: int) -> None:
-        staging = common.staging_checkpoint_dir(checkpoint_dir, step)
-        if env.rank == 0:  # megatron wants an empty, existing directory (a crashed write may have left one)
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        dist.barrier()
-        dist_checkpointing.save(sharded_state(is_loading=False), str(staging))  # every rank writes its shards
-        if is_logging_rank:  # the rank that holds the loss history
-            common.atomic_write_bytes(staging / TRAINER_STATE, json.dumps({
-                "step": step, "history": metrics.history, "model": model_settings(args),
-                "layout": layout_info}).encode())
-        dist.barrier()
-        if env.rank == 0:
-            common.publish_checkpoint_dir(checkpoint_dir, step)
+    def save(step: int) -> None:  # every rank writes its shards; the loss history is on the logging rank
+        harness.save_sharded_checkpoint(
+            checkpoint_dir, step, lambda staging: dist_checkpointing.save(sharded_state(is_loading=False), str(staging)),
+            {"history": metrics.history, **must_match, "layout": layout_info},
+            writes_state=is_logging_rank, is_rank0=env.rank == 0, barrier=dist.barrier)
         metrics.write()
 
     # ---- data: every DP rank takes its rows of the step's global batch, cut into micro-batches; all TP
     # and PP ranks of a replica read the same rows (stage 0 uses the tokens, the last stage the labels)
-    data = common.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     # megatron's own attention needs the causal mask spelled out (True = masked); Transformer Engine's
     # applies its causal mask type itself and takes none.
     causal_mask = None if use_te else torch.triu(
@@ -433,16 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     forward_backward = get_forward_backward_func()
 
     # ---- training loop: one optimizer step = the schedule's forward/backward over all micro-batches
-    if env.rank == 0:
-        (args.out_dir / common.STOP_MARKER).unlink(missing_ok=True)  # from an earlier, stopped run
-    stop = common.StopRequest(RECIPE, env.rank)
-    stopped_by = 0
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     for chunk in model_chunks:
         chunk.train()
-    last_step = start_step
     dp_group = parallel_state.get_data_parallel_group()
-    for step in range(start_step + 1, args.max_steps + 1):
-        t0 = time.perf_counter()
+    for step in run.steps():
         inputs, targets = data.local_batch(step, args.global_batch, dp_rank, layout.dp)
         micro = [(inputs[i:i + layout.micro_batch].to(device), targets[i:i + layout.micro_batch].to(device))
                  for i in range(0, len(inputs), layout.micro_batch)]
@@ -466,52 +300,28 @@ def main(argv: list[str] | None = None) -> int:
             step_loss /= layout.dp
         else:
             dist.barrier(group=dp_group)  # the same collective count on every rank keeps the timing honest
-        metrics.log_step(step, float(step_loss), args.global_batch, time.perf_counter() - t0,
+        metrics.log_step(step, float(step_loss), args.global_batch, run.step_time(),
                          optimizer.param_groups[0]["lr"])
-        last_step = step
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
-            save(step)
-        stopped_by = stop.agreed(env.world_size, device)
-        if step == args.stop_at_step or stopped_by:
+        if run.step_done(step, save):
             break
-    if last_step > start_step and not (args.checkpoint_every and last_step % args.checkpoint_every == 0):
-        save(last_step)
+    run.save_last(save)
 
     # ---- prove from inside the run that the replicas trained one model: DP replicas (and, for what TP
     # does not split, the TP ranks) must hold identical parameters
     spread = max(
-        common.max_difference_across_ranks([p.data for chunk in model_chunks for p in chunk.parameters()],
+        harness.max_difference_across_ranks([p.data for chunk in model_chunks for p in chunk.parameters()],
                                            layout.dp, group=dp_group),
-        common.max_difference_across_ranks(
+        harness.max_difference_across_ranks(
             [p.data for chunk in model_chunks for p in chunk.parameters()
              if not getattr(p, "tensor_model_parallel", False)],
             layout.tp, group=parallel_state.get_tensor_model_parallel_group()),
     )
-    shim_sites = cpu_placement_shim_sites(env.world_size)
-    metrics.write({"param_max_abs_diff_across_ranks": spread, "last_step": last_step,
-                   "stopped_early": last_step < args.max_steps, "cpu_placement_shim_sites": shim_sites,
-                   "stopped_by_signal": signal.Signals(stopped_by).name if stopped_by else None})
-    if is_logging_rank:
-        s = metrics.summary()
-        print(f"[{RECIPE}] done: step {last_step}/{args.max_steps}, final loss {s['final_loss']:.4f}, "
-              f"{s['mean_samples_per_s']:.1f} samples/s, {s['mean_tokens_per_s']:.0f} tokens/s, "
-              f"MFU {100 * s['mean_mfu']:.2f}% (peak {peak / 1e12:.3f} TFLOP/s, {peak_source}); "
-              f"metrics in {metrics.path}", flush=True)
-    # As in the DDP recipe: drop what holds the process groups before destroying them.
-    dist.barrier()
-    model_chunks = optimizer = None  # (the DDP buffers and the optimizer hold the groups)
-    gc.collect()
+    exit_code = run.finish(metrics, spread, {"cpu_placement_shim_sites": cpu_placement_shim_sites(env.world_size)},
+                           differ="parameters differ across replicas")
+    model_chunks = optimizer = None  # the DDP buffers and the optimizer hold the groups: drop them first
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    if spread != 0.0:
-        common.stderr_line(f"[{RECIPE}] error: parameters differ across replicas by up to {spread:.3g}: "
-                           "gradients were not synchronised")
-        return 3
-    if stopped_by and env.rank == 0:
-        common.StopRequest.write_marker(args.out_dir, stopped_by, last_step)
-        print(f"[{RECIPE}] stopped by {signal.Signals(stopped_by).name} after step {last_step}: checkpoint written; "
-              "run again with the same --out-dir to continue (slurm/ files requeue the job themselves)", flush=True)
-    return 0
+    harness.leave_process_group()
+    return exit_code
 
 
 def count_global_parameters(model_chunks, layout: Layout, tied: bool, device: torch.device) -> int:
@@ -549,11 +359,4 @@ def cpu_placement_shim_sites(world_size: int) -> list[str] | None:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except common.ConfigError as error:
-        common.exit_on_config_error(RECIPE, error)
-    except RuntimeError as error:  # torch's DistBackendError included
-        if dist.is_available() and dist.is_initialized():
-            common.exit_on_collective_failure(RECIPE, error)
-        raise
+    harness.main_entry(RECIPE, main)

@@ -24,74 +24,43 @@ a rerun with the same --out-dir resumes; SIGUSR1 or SIGTERM: stop after the step
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import socket
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
-# Before TensorFlow loads: Keras 2 (tf-keras), which Horovod's TensorFlow integration needs, and no INFO
-# lines from TensorFlow's C++ side (oneDNN, CPU features) in the training log.
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the shared modules
-import common  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the harness and the model
+import harness  # noqa: E402
+import keras_model  # noqa: E402  (sets TensorFlow's environment; loads TensorFlow only when used)
 
 RECIPE = "tf_mirrored"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.new_parser(__doc__)
     p.add_argument("--devices", type=int, default=None,
                    help="replicas: default every GPU, or 2 logical CPU devices without a GPU")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step, summed over all replicas")
-    p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=1234, help="seeds the weights and the synthetic data")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--d-hidden", type=int, default=256)
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto = mixed bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--out-dir", type=Path, default=Path("runs/tf_mirrored"), help="checkpoints and metrics.json")
-    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out-dir")
-    p.add_argument("--stop-at-step", type=int, default=None,
-                   help="checkpoint and exit after this step, as if the allocation ended; rerun to continue")
-    p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s per device for MFU (default: data sheet on GPU, measured matmul on CPU)")
-    p.add_argument("--config", type=Path, default=None,
-                   help="a TOML file of these options (keys as here, without '--'); the command line wins")
-    p.add_argument("--preflight", type=int, default=None, metavar="WORLD_SIZE",
-                   help="only check the options for this many processes (must be 1), then exit")
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: every replica applies its own gradients (the negative control)")
-    return common.parse_args_with_config(p, argv)
+    keras_model.add_model_options(p)
+    return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False)
 
 
 def validate(args: argparse.Namespace, processes: int) -> None:
     """Everything that can be checked before TensorFlow starts."""
     if processes != 1:
-        raise common.ConfigError(
+        raise harness.ConfigError(
             f"MirroredStrategy runs as one process per node, but {processes} were started: use one task "
             "(slurm/tf_mirrored.sh: -N 1 --ntasks-per-node=1), or the Horovod recipe for more than one node")
-    for name in ("global_batch", "max_steps", "seq_len", "vocab_size", "d_model", "d_hidden", "log_every"):
-        if getattr(args, name) < 1:
-            raise common.ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.devices is not None and args.devices < 1:
-        raise common.ConfigError(f"--devices must be at least 1, got {args.devices}")
-    if not args.lr > 0:
-        raise common.ConfigError(f"--lr must be positive, got {args.lr}")
-    if args.checkpoint_every < 0:
-        raise common.ConfigError(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
-    if args.devices and args.global_batch % args.devices:
-        raise common.ConfigError(f"--global-batch {args.global_batch} is not divisible by --devices {args.devices}")
-    if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
-        raise common.ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
+    harness.validate_run(args, None, framework="tensorflow")  # (its replicas are known once TensorFlow runs)
+    harness.require_at_least_one(args, "global_batch", "d_model", "d_hidden")
+    harness.require_positive(args, "lr")
+    if args.devices is not None:
+        harness.require_at_least_one(args, "devices")
+        if args.global_batch % args.devices:
+            raise harness.ConfigError(f"--global-batch {args.global_batch} is not divisible by --devices {args.devices}")
 
 
 def choose_devices(tf, wanted: int | None) -> tuple[list[str], str]:
@@ -99,7 +68,7 @@ def choose_devices(tf, wanted: int | None) -> tuple[list[str], str]:
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         if wanted and wanted > len(gpus):
-            raise common.ConfigError(f"--devices {wanted} but this node shows {len(gpus)} GPU(s): ask Slurm for "
+            raise harness.ConfigError(f"--devices {wanted} but this node shows {len(gpus)} GPU(s): ask Slurm for "
                                      f"--gpus-per-node={wanted}, or use --devices {len(gpus)}")
         count = wanted or len(gpus)
         return [f"/gpu:{i}" for i in range(count)], "gpu"
@@ -113,21 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts the process
         validate(args, args.preflight)
-        print(f"[{RECIPE}] preflight: options are fine for one process", flush=True)
-        return 0
-    env = common.detect_dist_env()
-    common.check_expected_world_size(1)
+        return harness.preflight_line(RECIPE, "options are fine for one process", None)
+    env = harness.detect_dist_env()
+    harness.check_expected_world_size(1)
     validate(args, env.world_size)
 
     import tensorflow as tf
 
-    import keras_model
-
     # ---- devices and strategy
     devices, device_kind = choose_devices(tf, args.devices)
     if args.global_batch % len(devices):
-        raise common.ConfigError(f"--global-batch {args.global_batch} is not divisible by the {len(devices)} devices; "
-                                 f"use a multiple of {len(devices)}")
+        raise harness.ConfigError(f"--global-batch {args.global_batch} is not divisible by the {len(devices)} devices; "
+                                  f"use a multiple of {len(devices)}")
     # NCCL between GPUs; between CPU devices the gradients are summed on one device and copied back.
     cross_device_ops = tf.distribute.NcclAllReduce() if device_kind == "gpu" else tf.distribute.ReductionToOneDevice()
     strategy = tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)
@@ -145,35 +111,27 @@ def main(argv: list[str] | None = None) -> int:
           f"dtype={dtype} host={socket.gethostname()}", flush=True)
 
     # ---- model and optimizer: one mirrored copy per device, created in the strategy's scope
-    cfg = keras_model.TokenModelConfig(args.vocab_size, args.seq_len, args.d_model, args.d_hidden)
+    cfg = keras_model.TokenModelConfig.from_args(args)
     with strategy.scope():
         model = keras_model.build_model(cfg, args.seed)
         optimizer = tf.keras.optimizers.Adam(learning_rate=args.lr)
         optimizer.build(model.trainable_variables)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    checkpoint_dir = args.out_dir / "checkpoints"
     must_match = {"model": asdict(cfg), "global_batch": args.global_batch}
-    latest, meta = common.checkpoint_dir_to_resume(checkpoint_dir, args.no_resume, must_match)
+    latest, meta = harness.resume_dir(args, must_match, state_file="meta.json")
     start_step, history = 0, []
     if latest is not None:
         checkpoint.read(str(latest / "ckpt")).assert_consumed()
         start_step, history = meta["step"], meta["history"]
         print(f"[{RECIPE}] resumed from {latest} (step {start_step})", flush=True)
 
-    peak, peak_source = keras_model.peak_flops(gpu_name, dtype, args.peak_tflops)
-    flops_per_token = keras_model.flops_per_token(model)
-    metrics = common.MetricsLogger(
-        recipe=RECIPE, path=args.out_dir / "metrics.json", is_logging_rank=True, tokens_per_sample=args.seq_len,
-        flops_per_token=flops_per_token, peak_flops_per_device=peak, peak_source=peak_source,
-        world_size=replicas, log_every=args.log_every, history=history,
-        run_info={**common.describe_run(env, f"MirroredStrategy/{all_reduce}", device_kind, type(strategy).__name__,
-                                        {"tensorflow_version": tf.__version__}),
-                  "replicas": replicas, "devices": devices, "hostnames": [socket.gethostname()],
-                  "layout": {"dp": replicas}, "dtype": dtype, "config": vars(args),
-                  "resumed_from_step": start_step or None},
-    )
-    print(f"[{RECIPE}] {model.count_params() / 1e6:.2f}M parameters, {flops_per_token / 1e6:.2f} MFLOP/token, "
-          f"peak {peak / 1e12:.3f} TFLOP/s per device ({peak_source})", flush=True)
+    metrics = harness.start_metrics(
+        RECIPE, args, is_logging_rank=True, world_size=replicas, history=history, n_params=model.count_params(),
+        flops_per_token=keras_model.flops_per_token(model), peak=keras_model.peak_flops(gpu_name, dtype, args.peak_tflops),
+        run_info={**harness.describe_run(env, f"MirroredStrategy/{all_reduce}", device_kind, type(strategy).__name__,
+                                         {"tensorflow_version": tf.__version__}, dp=replicas),
+                  "replicas": replicas, "devices": devices, "hostnames": [socket.gethostname()], "dtype": dtype},
+        framework="tensorflow")
 
     per_replica = args.global_batch // replicas
 
@@ -195,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
     def replica_rows(step: int):
-        inputs, targets = common.numpy_token_batch(args.vocab_size, args.seq_len, args.seed, step, args.global_batch)
+        inputs, targets = harness.numpy_token_batch(args.vocab_size, args.seq_len, args.seed, step, args.global_batch)
         rows = lambda ctx: slice(ctx.replica_id_in_sync_group * per_replica, (ctx.replica_id_in_sync_group + 1) * per_replica)  # noqa: E731
         return (strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(inputs[rows(ctx)])),
                 strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(targets[rows(ctx)])))
@@ -209,49 +167,23 @@ def main(argv: list[str] | None = None) -> int:
         return spread
 
     def save(step: int) -> None:
-        common.save_checkpoint_dir(checkpoint_dir, step, lambda staging: checkpoint.write(str(staging / "ckpt")),
-                                   {"history": metrics.history, **must_match})
+        harness.save_checkpoint_dir(args.out_dir / "checkpoints", step,
+                                    lambda staging: checkpoint.write(str(staging / "ckpt")),
+                                    {"history": metrics.history, **must_match})
         metrics.write()
 
-    # ---- training loop
-    (args.out_dir / common.STOP_MARKER).unlink(missing_ok=True)  # from an earlier, stopped run
-    stop = common.StopRequest(RECIPE, 0)  # SIGUSR1 before the time limit, SIGTERM on preemption
-    last_step = start_step
-    for step in range(start_step + 1, args.max_steps + 1):
-        t0 = time.perf_counter()
+    # ---- training loop (one process: a signal needs no agreement between ranks)
+    run = harness.TrainingRun(RECIPE, args, 0, start_step)
+    for step in run.steps():
         loss = float(train_step(*replica_rows(step)))  # float(): waits for the step, for the timing
-        metrics.log_step(step, loss, args.global_batch, time.perf_counter() - t0, args.lr)
-        last_step = step
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
-            save(step)
-        if step == args.stop_at_step or stop.received:
+        metrics.log_step(step, loss, args.global_batch, run.step_time(), args.lr)
+        if run.step_done(step, save):
             break
-    if last_step > start_step and not (args.checkpoint_every and last_step % args.checkpoint_every == 0):
-        save(last_step)
+    run.save_last(save)
 
     # ---- prove from inside the run that the replicas really trained one model together
-    spread = weight_spread()
-    metrics.write({"param_max_abs_diff_across_ranks": spread, "last_step": last_step,
-                   "stopped_early": last_step < args.max_steps,
-                   "stopped_by_signal": signal.Signals(stop.received).name if stop.received else None})
-    s = metrics.summary()
-    print(f"[{RECIPE}] done: step {last_step}/{args.max_steps}, final loss {s['final_loss']:.4f}, "
-          f"{s['mean_samples_per_s']:.1f} samples/s, {s['mean_tokens_per_s']:.0f} tokens/s, "
-          f"MFU {100 * s['mean_mfu']:.2f}% (peak {peak / 1e12:.3f} TFLOP/s, {peak_source}); "
-          f"metrics in {metrics.path}", flush=True)
-    if spread != 0.0:
-        common.stderr_line(f"[{RECIPE}] error: the replicas' weights differ by up to {spread:.3g}: "
-                           "gradients were not all-reduced")
-        return 3
-    if stop.received:
-        common.StopRequest.write_marker(args.out_dir, stop.received, last_step)
-        print(f"[{RECIPE}] stopped by {signal.Signals(stop.received).name} after step {last_step}: checkpoint "
-              "written; run again with the same --out-dir to continue", flush=True)
-    return 0
+    return run.finish(metrics, weight_spread(), differ="the replicas' weights differ")
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except common.ConfigError as error:
-        common.exit_on_config_error(RECIPE, error)
+    harness.main_entry(RECIPE, main)

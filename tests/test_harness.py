@@ -1,4 +1,4 @@
-"""Unit tests of recipes/common.py: rank layout, host lists, synthetic data, MFU formula, checkpoints."""
+"""Unit tests of the recipe harness (recipes/harness/): rank layout, host lists, synthetic data, MFU formula, checkpoints."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
-import common  # noqa: E402
+import harness  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -27,18 +27,18 @@ import common  # noqa: E402
     ],
 )
 def test_expand_hostlist(hostlist, expected):
-    assert common.expand_hostlist(hostlist) == expected
+    assert harness.expand_hostlist(hostlist) == expected
 
 
 def test_torchrun_variables_win():
-    env = common.detect_dist_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "nid000005",
+    env = harness.detect_dist_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "nid000005",
                                   "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"})
     assert (env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, env.launcher) == (
         3, 1, 8, "nid000005", 1234, "torchrun")
 
 
 def test_srun_layout_uses_first_node_not_localhost():
-    env = common.detect_dist_env({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+    env = harness.detect_dist_env({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
                                   "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "nid[000017-000018]"})
     assert (env.rank, env.local_rank, env.world_size, env.launcher) == (5, 1, 8, "srun")
     assert env.master_addr == "nid000017"
@@ -46,25 +46,25 @@ def test_srun_layout_uses_first_node_not_localhost():
 
 
 def test_srun_step_nodelist_and_task_count_preferred():
-    env = common.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "8",
+    env = harness.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "8",
                                   "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "nid[000001-000004]",
                                   "SLURM_STEP_NODELIST": "nid000003"})
     assert (env.world_size, env.master_addr) == (2, "nid000003")
 
 
 def test_batch_script_without_srun_is_refused():
-    with pytest.raises(common.ConfigError, match="launch it with srun"):
-        common.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
+    with pytest.raises(harness.ConfigError, match="launch it with srun"):
+        harness.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
                                 "SLURM_JOB_NODELIST": "nid[000001-000002]"})
 
 
 def test_plain_process_is_single():
-    assert common.detect_dist_env({}).launcher == "single"
-    assert common.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).world_size == 1
+    assert harness.detect_dist_env({}).launcher == "single"
+    assert harness.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).world_size == 1
 
 
 def test_synthetic_batches_are_deterministic_and_split_by_rank():
-    data = common.SyntheticTokens(vocab_size=50, seq_len=16, seed=3)
+    data = harness.SyntheticTokens(vocab_size=50, seq_len=16, seed=3)
     inputs, targets = data.global_batch(step=5, batch_size=8)
     again, _ = data.global_batch(step=5, batch_size=8)
     other, _ = data.global_batch(step=6, batch_size=8)
@@ -77,27 +77,27 @@ def test_synthetic_batches_are_deterministic_and_split_by_rank():
 
 def test_flops_formula():
     # 6N + 12 L d T with N = 1e6, L = 2, d = 64, T = 32
-    assert common.transformer_flops_per_token(1_000_000, 2, 64, 32) == 6e6 + 12 * 2 * 64 * 32
+    assert harness.transformer_flops_per_token(1_000_000, 2, 64, 32) == 6e6 + 12 * 2 * 64 * 32
 
 
 def test_cpu_peak_is_measured():
-    flops, source = common.peak_flops(torch.device("cpu"), torch.float32)
+    flops, source = harness.peak_flops(torch.device("cpu"), torch.float32)
     assert flops > 1e8 and source.startswith("measured")
-    assert common.peak_flops(torch.device("cpu"), torch.float32, override_tflops=2.0) == (2e12, "--peak-tflops")
+    assert harness.peak_flops(torch.device("cpu"), torch.float32, override_tflops=2.0) == (2e12, "--peak-tflops")
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
     for step in (10, 20, 30):
-        common.save_checkpoint(tmp_path, step, {"step": step}, keep=2)
-    assert [p.name for p in common.list_checkpoints(tmp_path)] == ["step_00000020.pt", "step_00000030.pt"]
+        harness.save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+    assert [p.name for p in harness.list_checkpoints(tmp_path)] == ["step_00000020.pt", "step_00000030.pt"]
 
     class ExplodesWhilePickled:
         def __reduce__(self):
             raise RuntimeError("crash in the middle of writing")
 
     with pytest.raises(RuntimeError, match="crash in the middle"):
-        common.save_checkpoint(tmp_path, 40, {"step": 40, "payload": torch.zeros(1000), "bad": ExplodesWhilePickled()})
-    latest = common.latest_checkpoint(tmp_path)
+        harness.save_checkpoint(tmp_path, 40, {"step": 40, "payload": torch.zeros(1000), "bad": ExplodesWhilePickled()})
+    latest = harness.latest_checkpoint(tmp_path)
     assert latest.name == "step_00000030.pt"  # the half-written step 40 is never picked
     assert torch.load(latest)["step"] == 30
     assert any(p.name.startswith(".step_00000040.pt.tmp") for p in tmp_path.iterdir())
@@ -114,20 +114,20 @@ def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path):
     parser.add_argument("--config", type=Path)
     config = tmp_path / "run.toml"
     config.write_text('max-steps = 50\nlr = 1\nout_dir = "elsewhere"\nno-resume = true\n')
-    args = common.parse_args_with_config(parser, ["--config", str(config), "--max-steps", "7"])
+    args = harness.parse_args_with_config(parser, ["--config", str(config), "--max-steps", "7"])
     assert (args.max_steps, args.lr, args.out_dir, args.no_resume) == (7, 1.0, Path("elsewhere"), True)
     config.write_text("no-resume = 1\n")
-    with pytest.raises(common.ConfigError, match="'no-resume' in --config .* must be true/false, got 1"):
-        common.parse_args_with_config(parser, ["--config", str(config)])
-    with pytest.raises(common.ConfigError, match="cannot read --config .*missing.toml"):
-        common.parse_args_with_config(parser, ["--config", str(tmp_path / "missing.toml")])
+    with pytest.raises(harness.ConfigError, match="'no-resume' in --config .* must be true/false, got 1"):
+        harness.parse_args_with_config(parser, ["--config", str(config)])
+    with pytest.raises(harness.ConfigError, match="cannot read --config .*missing.toml"):
+        harness.parse_args_with_config(parser, ["--config", str(tmp_path / "missing.toml")])
 
 
 def test_lines_of_ranks_printing_at_once_never_run_into_each_other():
     """Four unbuffered processes writing 2000 error lines each into one pipe, as ranks do into one job log:
     every line arrives whole (print() would write text and newline separately, and lines would merge)."""
-    writer = ("import sys; sys.path.insert(0, sys.argv[1]); import common\n"
-              "for i in range(2000): common.stderr_line(f'[rank {sys.argv[2]}] error: the same long message, ' + 'x' * 200)")
+    writer = ("import sys; sys.path.insert(0, sys.argv[1]); import harness\n"
+              "for i in range(2000): harness.stderr_line(f'[rank {sys.argv[2]}] error: the same long message, ' + 'x' * 200)")
     script = " & ".join(f"{sys.executable} -c \"{writer}\" {REPO / 'recipes'} {rank}" for rank in range(4))
     result = subprocess.run(["bash", "-c", f"{{ {script} & wait; }} 2>&1"], capture_output=True, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=120)

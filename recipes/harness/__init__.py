@@ -1,0 +1,45 @@
+"""The small harness every recipe trains on: only what all of them need, split by concern.
+
+    cli         the shared options (parse_recipe_args), TOML configs, the checks before any rank starts
+                (validate_run, require_*), main_entry (bad input: one line, exit 2)
+    launch      rank layout (torchrun or srun), the expected world size, the PyTorch process group, the
+                collectives of the logs and the end-of-run proof, a failed collective as one line (exit 4)
+    data        synthetic token batches: step s is the same global batch at any world size
+    metrics     rank 0's step lines, metrics.json, TensorBoard events, FLOPs per token and peak (MFU)
+    checkpoint  atomic checkpoint files and directories; which checkpoint a rerun resumes
+    signals     SIGUSR1/SIGTERM: stop after the step, checkpoint, leave the stop marker
+    run         TrainingRun: the step range, checkpoint cadence, the stop agreement and the end of a run
+
+Recipes put ``recipes/`` on ``sys.path`` and ``import harness``; the names below are the ones they use.
+No module imports PyTorch or TensorFlow at import time (the TensorFlow recipes load no torch).
+"""
+
+from .checkpoint import (CRASH_DURING_CHECKPOINT_ENV, TRAINER_STATE, atomic_write_bytes, latest_checkpoint,
+                         latest_checkpoint_dir, list_checkpoint_dirs, list_checkpoints, publish_checkpoint_dir,
+                         restore_rng_state, resume_dir, resume_file, rng_state, save_checkpoint, save_checkpoint_dir,
+                         save_sharded_checkpoint, staging_checkpoint_dir)
+from .cli import (ConfigError, add_data_options, add_gpt_options, add_run_options, main_entry, new_parser,
+                  parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible, require_positive,
+                  stderr_line, tensorboard_dir, validate_run)
+from .data import SyntheticTokens, numpy_token_batch
+from .launch import (EXPECTED_WORLD_SIZE_ENV, DistEnv, all_hostnames, check_expected_world_size, default_master_port,
+                     detect_dist_env, expand_hostlist, leave_process_group, max_across_ranks, max_difference_across_ranks,
+                     mean_across_ranks, nodes_in_job, setup_torch_distributed)
+from .metrics import (MetricsLogger, describe_run, gpu_peak_flops, peak_flops, start_metrics,
+                      transformer_flops_per_token)
+from .run import TrainingRun
+from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
+
+__all__ = [
+    "CRASH_DURING_CHECKPOINT_ENV", "ConfigError", "DistEnv", "EXPECTED_WORLD_SIZE_ENV", "MetricsLogger",
+    "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "TRAINER_STATE", "TrainingRun",
+    "add_data_options", "add_gpt_options", "add_run_options", "all_hostnames", "atomic_write_bytes",
+    "check_expected_world_size", "default_master_port", "describe_run", "detect_dist_env", "expand_hostlist",
+    "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "list_checkpoint_dirs", "list_checkpoints",
+    "main_entry", "leave_process_group", "max_across_ranks", "max_difference_across_ranks", "mean_across_ranks", "new_parser",
+    "nodes_in_job", "numpy_token_batch", "parse_args_with_config", "parse_recipe_args", "peak_flops", "preflight_line",
+    "publish_checkpoint_dir", "require_at_least_one", "require_divisible", "require_positive",
+    "restore_rng_state", "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
+    "save_sharded_checkpoint", "setup_torch_distributed", "staging_checkpoint_dir", "start_metrics",
+    "stderr_line", "tensorboard_dir", "transformer_flops_per_token", "validate_run",
+]

@@ -1,0 +1,197 @@
+"""The command line every recipe shares: its options, TOML config files, the checks made before any rank
+starts, and the entry point that turns bad input into one line and exit code 2.
+
+A recipe adds its own options to its parser first (so ``--help`` opens with what that framework needs),
+then ``parse_recipe_args`` adds the shared groups (``add_run_options``: run directory, checkpoints,
+stopping, logging; ``add_data_options``; for the stack's GPT ``add_gpt_options``) and parses.
+``validate_run`` checks those; the recipe checks its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+from typing import Callable
+
+
+class ConfigError(Exception):
+    """Bad input found before any process starts talking to another. Its message says what to change."""
+
+
+def stderr_line(text: str) -> None:
+    """``text`` and its newline in one write. Ranks often print the same message at the same moment into one
+    log, unbuffered (PYTHONUNBUFFERED=1): print() writes the text and the newline separately, and two ranks'
+    lines then run into each other ("...error: A[...] error: A\n\n")."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def exit_on_config_error(recipe: str, error: ConfigError) -> None:
+    """One line on stderr, exit code 2: what users see instead of a stack trace."""
+    stderr_line(f"[{recipe}] error: {error}")
+    sys.exit(2)
+
+
+def main_entry(recipe: str, main: Callable[[], int]) -> None:
+    """Run ``main`` and exit with its code. Bad input (ConfigError) is one line and exit 2; a collective that
+    failed because another rank died or hung is one line naming this rank and exit 4 (launch.py)."""
+    from .launch import exit_on_collective_failure, failed_collective_rank
+
+    try:
+        code = main()
+    except ConfigError as error:
+        exit_on_config_error(recipe, error)
+    except Exception as error:
+        rank = failed_collective_rank(error)
+        if rank is None:
+            raise
+        exit_on_collective_failure(recipe, error, rank)
+    sys.exit(code)
+
+
+def new_parser(doc: str) -> argparse.ArgumentParser:
+    """The recipe's parser, with its module docstring (the launch commands) as the --help text."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout: bool = True) -> None:
+    """Options of the run rather than of the model: where it writes, how often it checkpoints, when it stops."""
+    g = p.add_argument_group("run options (every recipe)")
+    g.add_argument("--max-steps", type=int, default=30)
+    g.add_argument("--seed", type=int, default=1234, help="seeds the weights and the synthetic data")
+    g.add_argument("--out-dir", type=Path, default=Path("runs") / recipe, help="checkpoints and metrics.json")
+    g.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out-dir")
+    g.add_argument("--stop-at-step", type=int, default=None,
+                   help="checkpoint and exit after this step, as if the allocation ended; rerun to continue")
+    g.add_argument("--log-every", type=int, default=1)
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="TensorBoard event files (rank 0; default OUT_DIR/tensorboard; 'off': none)")
+    if collective_timeout:
+        g.add_argument("--timeout-s", type=float, default=300.0,
+                       help="process-group timeout: a collective that waits longer fails the job")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per device for MFU (default: data sheet on GPU, measured matmul on CPU)")
+    g.add_argument("--config", type=Path, default=None,
+                   help="a TOML file of these options (keys as here, without '--'); the command line wins")
+    g.add_argument("--preflight", type=int, default=None, metavar="WORLD_SIZE",
+                   help="only check the options (and a checkpoint to resume) for this many ranks, then exit")
+
+
+def add_data_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--seq-len", type=int, default=64)
+    g.add_argument("--vocab-size", type=int, default=256)
+
+
+def add_gpt_options(p: argparse.ArgumentParser) -> None:
+    """The stack's GPT (recipes/gpt.py): DDP, accelerate, DeepSpeed and Horovod's PyTorch variant."""
+    g = p.add_argument_group("model (recipes/gpt.py)")
+    g.add_argument("--n-layer", type=int, default=2)
+    g.add_argument("--n-head", type=int, default=4)
+    g.add_argument("--n-embd", type=int, default=64)
+
+
+def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] | None, gpt_model: bool = False,
+                      collective_timeout: bool = True) -> argparse.Namespace:
+    """The shared option groups after the recipe's own, then the command line (and --config) parsed.
+    ``gpt_model``: the options of recipes/gpt.py; ``collective_timeout``: --timeout-s (PyTorch's groups)."""
+    add_run_options(p, recipe, collective_timeout)
+    add_data_options(p)
+    if gpt_model:
+        add_gpt_options(p)
+    return parse_args_with_config(p, argv)
+
+
+def require_at_least_one(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+
+
+def require_divisible(what: str, value: int, divisor: int, by: str, option: str = "--global-batch") -> None:
+    """``value`` must be a multiple of ``divisor``; the message names the next multiple up as the fix."""
+    if value % divisor:
+        raise ConfigError(f"{what} {value} is not divisible by {by}; use a multiple of {divisor} "
+                          f"(e.g. {option} {-(-value // divisor) * divisor})")
+
+
+def validate_run(args: argparse.Namespace, world_size: int | None, framework: str = "torch") -> None:
+    """The shared options (those parse_recipe_args added) and a recipe's --skip-grad-allreduce, for
+    ``world_size`` ranks (None: not known yet), before any rank starts. ``framework`` "tensorflow": its
+    TensorBoard writer (tf.summary) needs no package of its own."""
+    require_at_least_one(args, "max_steps", "log_every", "seq_len", "vocab_size")
+    if hasattr(args, "n_embd"):  # add_gpt_options
+        require_at_least_one(args, "n_layer", "n_head", "n_embd")
+        if args.n_embd % args.n_head:
+            raise ConfigError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
+    if getattr(args, "skip_grad_allreduce", False) and world_size == 1:
+        raise ConfigError("--skip-grad-allreduce only means something with more than one rank")
+    if hasattr(args, "timeout_s"):
+        require_positive(args, "timeout_s")
+    if args.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must be 0 (only at the end) or more, got {args.checkpoint_every}")
+    if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
+        raise ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
+    if tensorboard_dir(args) is not None and framework == "torch":
+        from .metrics import check_tensorboard_writer
+
+        check_tensorboard_writer()
+
+
+def tensorboard_dir(args: argparse.Namespace) -> Path | None:
+    if args.tensorboard == "off":
+        return None
+    return Path(args.tensorboard) if args.tensorboard else Path(args.out_dir) / "tensorboard"
+
+
+def preflight_line(recipe: str, summary: str, resume_from: Path | None) -> int:
+    """What ``--preflight`` prints when the options are fine (slurm/lib/launch.sh shows it); exit code 0."""
+    print(f"[{recipe}] preflight: {summary}" + (f"; will resume from {resume_from}" if resume_from else ""), flush=True)
+    return 0
+
+
+def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; a ``--config FILE.toml`` gives defaults that the command line overrides.
+
+    Keys are the option names without '--' (dashes or underscores). An unknown key, a value of the wrong
+    type or a file that is not TOML is a ConfigError naming the file and the key.
+    """
+    args = parser.parse_args(argv)
+    path = getattr(args, "config", None)
+    if path is None:
+        return args
+    try:
+        values = tomllib.loads(Path(path).read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read --config {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"--config {path} is not valid TOML: {error}") from None
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config", "preflight")}
+    defaults = {}
+    for key, value in values.items():
+        dest = key.replace("-", "_")
+        if dest not in actions:
+            known = ", ".join(sorted(name.replace("_", "-") for name in actions))
+            raise ConfigError(f"unknown option '{key}' in --config {path}; known: {known}")
+        action = actions[dest]
+        flag = isinstance(action, argparse._StoreTrueAction)
+        wanted = bool if flag else (action.type or str)
+        acceptable = {bool: (bool,), int: (int,), float: (int, float)}.get(wanted, (str,))
+        if not isinstance(value, acceptable) or (isinstance(value, bool) and wanted is not bool):
+            raise ConfigError(f"'{key}' in --config {path} must be {'true/false' if flag else wanted.__name__}, "
+                              f"got {value!r}")
+        value = value if flag else wanted(value)
+        if action.choices and value not in action.choices:
+            raise ConfigError(f"'{key}' in --config {path} must be one of {list(action.choices)}, got {value!r}")
+        defaults[dest] = value
+    parser.set_defaults(**defaults)
+    return parser.parse_args(argv)

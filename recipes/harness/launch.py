@@ -1,0 +1,262 @@
+"""Where this process sits in the job, and the process group it trains in.
+
+- ``detect_dist_env``: the rank layout, from torchrun's variables or from Slurm's when ``srun`` started the
+  recipe directly (rendezvous host = first node of the job, never "localhost").
+- ``check_expected_world_size``: refuse a world other than the one slurm/lib/launch.sh started.
+- ``setup_torch_distributed``: device and backend (NCCL on CUDA, gloo on CPU) and the process group.
+- ``leave_process_group``: the teardown at the end of a run.
+- ``all_hostnames``, ``mean_across_ranks``, ``max_difference_across_ranks``, ``max_across_ranks``: the few
+  collectives every PyTorch recipe needs for its logs, its stop agreement and its end-of-run proof.
+- ``failed_collective_rank`` / ``exit_on_collective_failure``: a collective that failed (another rank died
+  or hung) becomes one line naming this rank and host, and exit code 4.
+
+PyTorch is imported inside the functions that use it: the TensorFlow recipes import this module too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from .cli import ConfigError, stderr_line
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "srun" or "single"
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed host list, e.g. ``nid[000001-000003,000007],login01`` -> one name per host."""
+    hosts: list[str] = []
+    for item in _split_outside_brackets(hostlist):
+        match = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\](.*)", item)
+        if not match:
+            hosts.append(item)
+            continue
+        prefix, ranges, rest = match.groups()
+        suffixes = expand_hostlist(rest) if rest else [""]
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            for number in range(int(first), int(last or first) + 1):
+                hosts.extend(f"{prefix}{number:0{len(first)}d}{suffix}" for suffix in suffixes)
+    return hosts
+
+
+def _split_outside_brackets(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item for item in items if item]
+
+
+def default_master_port(job_id: str | None) -> int:
+    """Same on every rank of a job, different between jobs that may share a node."""
+    return 29500 + int(job_id) % 10000 if job_id and job_id.isdigit() else 29500
+
+
+def detect_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
+    """Where this process sits in the job. Raises ConfigError for layouts that cannot form one world."""
+    env = os.environ if environ is None else environ
+
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or anything that speaks its protocol)
+        return DistEnv(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env["WORLD_SIZE"]),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun",
+        )
+
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1)))
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env and tasks > 1:
+        # The batch script itself runs as "rank 0 of N" with no other ranks: it would wait forever.
+        raise ConfigError(
+            f"started directly in the batch script of a {tasks}-task job; launch it with srun "
+            "(e.g. 'srun python recipes/ddp/train.py') or use slurm/ddp.sh"
+        )
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and tasks > 1:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "")
+        if not master_addr:
+            raise ConfigError("srun set no SLURM_JOB_NODELIST and MASTER_ADDR is unset: cannot find rank 0's host")
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=tasks,
+            master_addr=master_addr,
+            master_port=int(env.get("MASTER_PORT") or default_master_port(env.get("SLURM_JOB_ID"))),
+            launcher="srun",
+        )
+
+    return DistEnv(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=29500, launcher="single")
+
+
+def nodes_in_job(environ: dict[str, str] | None = None) -> int | None:
+    env = os.environ if environ is None else environ
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    return int(nodes) if nodes and nodes.isdigit() else None
+
+
+# slurm/lib/launch.sh exports the number of ranks it launched. A recipe whose framework formed another world
+# (a launcher that started one process, or N independent copies that each see world size 1, all exiting 0)
+# stops here instead of training the wrong thing.
+EXPECTED_WORLD_SIZE_ENV = "HPCML_EXPECTED_WORLD_SIZE"
+
+
+def check_expected_world_size(world_size: int, environ: dict[str, str] | None = None) -> None:
+    expected = (os.environ if environ is None else environ).get(EXPECTED_WORLD_SIZE_ENV, "")
+    if expected.isdigit() and int(expected) != world_size:
+        raise ConfigError(
+            f"this process joined a world of {world_size} rank(s), but the job launched {expected} "
+            f"({EXPECTED_WORLD_SIZE_ENV}): the launcher started the ranks as independent trainings; "
+            "check the launch command (torchrun/accelerate/deepspeed options; srun --mpi for MPI) against the allocation"
+        )
+
+
+def setup_torch_distributed(env: DistEnv, timeout_s: float, always_group: bool = False) -> tuple[torch.device, str]:
+    """Pick device and backend, and join the process group when there is more than one rank.
+
+    NCCL needs CUDA; on a CPU-only machine gloo is the only backend that works, so the choice is made from
+    the hardware, not from a flag that could be set wrongly. ``always_group``: a one-rank group too, in
+    memory and without a port, for frameworks that always want one (DeepSpeed, megatron-core).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if env.world_size > 1:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+        if dist.get_world_size() != env.world_size:
+            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {env.world_size}")
+    elif always_group:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device, backend
+
+
+def leave_process_group() -> None:
+    """All ranks together, while the interpreter is fully alive: a gloo group still alive at interpreter exit
+    can abort the process (SIGABRT, exit != 0 after a successful run). Drop what holds the group first
+    (DDP's reducer, an engine, the optimizer), as the recipes do just before calling this."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def all_hostnames(world_size: int) -> list[str]:
+    """Every rank's hostname, in rank order (proves which nodes really took part)."""
+    name = socket.gethostname()
+    if world_size == 1:
+        return [name]
+    import torch.distributed as dist
+
+    names: list[str | None] = [None] * world_size
+    dist.all_gather_object(names, name)
+    return [str(n) for n in names]
+
+
+def mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
+    value = value.detach()
+    if world_size > 1:
+        import torch.distributed as dist
+
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= world_size
+    return float(value)
+
+
+def max_across_ranks(world_size: int, device) -> Callable[[int], int]:
+    """A function giving the largest of an integer over all ranks (the same answer on every rank)."""
+    if world_size == 1:
+        return lambda value: value
+
+    def agree(value: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([value], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    return agree
+
+
+def max_difference_across_ranks(tensors: list[torch.Tensor], world_size: int, group=None) -> float:
+    """Largest elementwise spread (max - min over the ranks of ``group``, default all) of the given tensors.
+
+    0.0 when all ranks agree. ``world_size`` is the size of that group.
+    """
+    if world_size == 1 or not tensors:
+        return 0.0
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([t.detach().float().flatten() for t in tensors])
+    highest, lowest = flat.clone(), flat.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    return float((highest - lowest).max())
+
+
+def failed_collective_rank(error: BaseException) -> int | str | None:
+    """This process's rank if ``error`` is a collective that failed, else None (then it is a real bug).
+
+    torch.distributed raises RuntimeError (DistBackendError) once its group exists; Horovod raises its own
+    and TensorFlow's errors. Only frameworks already imported are asked (no torch in the TensorFlow recipes).
+    """
+    torch_dist = sys.modules.get("torch.distributed")
+    if isinstance(error, RuntimeError) and torch_dist and torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_rank()
+    if type(error).__module__.startswith(("tensorflow", "horovod")):
+        for name in ("horovod.tensorflow", "horovod.torch"):
+            hvd = sys.modules.get(name)
+            if hvd is not None:
+                return hvd.rank() if hvd.is_initialized() else "?"
+    return None
+
+
+def exit_on_collective_failure(recipe: str, error: BaseException, rank: int | str = "?") -> None:
+    """One line naming this rank and host when a collective fails or times out, then exit 4.
+
+    Every surviving rank says it; srun (--kill-on-bad-exit) then ends the job. The rank that really failed
+    is the one that died (srun names it), or the one that is missing from these lines.
+    """
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    stderr_line(f"[{recipe}] error: rank {rank} on {socket.gethostname()}: a collective failed ({first_line[:200]}): "
+                "another rank died, hung or was stopped; the job ends here")
+    sys.exit(4)

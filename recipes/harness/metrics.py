@@ -1,0 +1,254 @@
+"""What a run reports: rank 0's step lines, OUT_DIR/metrics.json, TensorBoard event files, and MFU.
+
+- ``start_metrics``: the MetricsLogger of a run (its JSON path, TensorBoard directory and the record of
+  what ran, from ``describe_run``), and the log line with the model's size and the peak MFU divides by.
+- ``transformer_flops_per_token``, ``peak_flops``, ``gpu_peak_flops``: MFU's numerator and denominator.
+
+TensorBoard: PyTorch's SummaryWriter (the ``tensorboard`` package) for the PyTorch recipes, ``tf.summary``
+for the TensorFlow ones; only the logging rank writes. The events are flushed at every checkpoint and at
+the end, so a run that dies loses at most the steps since its last checkpoint, as its weights do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .checkpoint import atomic_write_bytes
+from .cli import ConfigError, tensorboard_dir
+
+if TYPE_CHECKING:
+    import torch
+
+# Dense peak FLOP/s per GPU from NVIDIA's data sheets (bf16 tensor cores; fp32 without TF32).
+# Keyed by dtype name, the same in PyTorch and TensorFlow.
+GPU_PEAK_FLOPS = {
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+}
+
+
+def gpu_peak_flops(device_name: str, dtype_name: str) -> tuple[float, str]:
+    """The data-sheet peak of the GPU called ``device_name`` (as the framework reports it), and its source."""
+    for gpu, table in GPU_PEAK_FLOPS.items():
+        if gpu in device_name and dtype_name in table:
+            return table[dtype_name], f"{gpu} data sheet, {dtype_name} dense"
+    return float("nan"), f"unknown GPU '{device_name}': pass --peak-tflops"
+
+
+def transformer_flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weight matmuls (forward + backward) plus 12*L*d*T for attention.
+
+    The formula of the PaLM paper (appendix B); N excludes position embeddings, which are lookups.
+    """
+    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None) -> tuple[float, str]:
+    """The per-device peak that MFU divides by, and where the number came from (logged with every MFU)."""
+    if override_tflops:
+        return override_tflops * 1e12, "--peak-tflops"
+    if device.type == "cuda":
+        import torch
+
+        return gpu_peak_flops(torch.cuda.get_device_name(device), str(dtype).removeprefix("torch."))
+    return measure_cpu_matmul_flops(dtype)
+
+
+def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.3) -> tuple[float, str]:
+    """A CPU has no data-sheet peak that means much; measure a large matmul, same dtype and threads, now."""
+    import torch
+
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        count += 1
+    flops = 2.0 * size**3 * count / elapsed
+    return flops, f"measured: {size}x{size} {str(dtype).removeprefix('torch.')} matmul, {torch.get_num_threads()} threads"
+
+
+def check_tensorboard_writer() -> None:
+    """Refuse --tensorboard before any rank starts when the package behind the writers is missing."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("TensorBoard logging needs the tensorboard package (pip install tensorboard; every image "
+                          "has it): install it, or pass --tensorboard off")
+
+
+class _TensorFlowSummaryWriter:
+    """tf.summary behind SummaryWriter's three calls (add_scalar, flush, close)."""
+
+    def __init__(self, directory: Path):
+        import tensorflow as tf
+
+        self._tf, self._writer = tf, tf.summary.create_file_writer(str(directory))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        with self._writer.as_default():
+            self._tf.summary.scalar(tag, value, step=step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def open_tensorboard_writer(directory: Path, framework: str):
+    """A writer of event files in ``directory``: tf.summary for ``framework`` "tensorflow", else PyTorch's."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if framework == "tensorflow":
+        return _TensorFlowSummaryWriter(directory)
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(directory), flush_secs=30)
+
+
+@dataclass
+class MetricsLogger:
+    """Rank 0 prints one line per logged step, writes everything to ``path`` as JSON and the step scalars
+    to TensorBoard (``tensorboard_dir``; None: no event files)."""
+
+    recipe: str
+    path: Path
+    is_logging_rank: bool
+    tokens_per_sample: int
+    flops_per_token: float
+    peak_flops_per_device: float
+    peak_source: str
+    world_size: int
+    log_every: int = 1
+    run_info: dict = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+    tensorboard_dir: Path | None = None
+    framework: str = "torch"  # whose TensorBoard writer: "torch" or "tensorflow"
+    _writer: object = field(default=None, repr=False)
+
+    def log_step(self, step: int, loss: float, samples: int, step_time_s: float, lr: float) -> None:
+        tokens_per_s = samples * self.tokens_per_sample / step_time_s
+        mfu = tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops_per_device)
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "step_time_s": step_time_s,
+            "samples_per_s": samples / step_time_s,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+        }
+        self.history.append(record)
+        if not self.is_logging_rank:
+            return
+        if self.tensorboard_dir is not None:
+            if self._writer is None:
+                self._writer = open_tensorboard_writer(self.tensorboard_dir, self.framework)
+            for key in ("loss", "lr", "tokens_per_s", "mfu", "step_time_s"):
+                self._writer.add_scalar(f"train/{key}", record[key], step)
+        if step % self.log_every == 0:
+            print(
+                f"[{self.recipe}] step {step:5d} | loss {loss:.4f} | {record['samples_per_s']:8.1f} samples/s"
+                f" | {tokens_per_s:10.0f} tokens/s | MFU {100 * mfu:5.2f}%",
+                flush=True,
+            )
+
+    def summary(self) -> dict:
+        # The first step of a process includes warm-up (allocator, NCCL/gloo connections): leave it out.
+        timed = self.history[1:] or self.history
+        mean = lambda key: sum(r[key] for r in timed) / len(timed) if timed else float("nan")  # noqa: E731
+        return {
+            "steps": len(self.history),
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "mean_samples_per_s": mean("samples_per_s"),
+            "mean_tokens_per_s": mean("tokens_per_s"),
+            "mean_mfu": mean("mfu"),
+            "flops_per_token": self.flops_per_token,
+            "mfu_formula": "tokens/s * (6N + 12*L*d*T) / (world_size * peak)",
+            "peak_flops_per_device": self.peak_flops_per_device,
+            "peak_source": self.peak_source,
+        }
+
+    def write(self, extra: dict | None = None) -> None:
+        """metrics.json now (atomically), and the TensorBoard events so far (called at every checkpoint)."""
+        if not self.is_logging_rank:
+            return
+        document = {"recipe": self.recipe, **self.run_info, **(extra or {}), "summary": self.summary(), "history": self.history}
+        atomic_write_bytes(self.path, (json.dumps(document, indent=2, default=str) + "\n").encode())
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, history: list[dict], *, logging_rank: bool,
+                  devices: int, size: tuple[int, float], peak: tuple[float, str], framework: str = "torch") -> MetricsLogger:
+    """The run's MetricsLogger: OUT_DIR/metrics.json with ``run_info`` and the options, --tensorboard,
+    --log-every; ``history``: the steps before a resume. ``devices``: what MFU divides the peak over (the
+    world size, or MirroredStrategy's replicas); ``size``: the model's (parameters, training FLOPs per
+    token); ``peak``: (FLOP/s per device, where it came from). The logging rank prints size and peak.
+    ``framework``: "tensorflow" for the TensorFlow recipes (their TensorBoard writer is tf.summary)."""
+    (n_params, flops_per_token), (peak_flops_per_device, peak_source) = size, peak
+    if logging_rank:
+        print(f"[{recipe}] {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.2f} MFLOP/token, "
+              f"peak {peak_flops_per_device / 1e12:.3f} TFLOP/s per device ({peak_source})", flush=True)
+    events = tensorboard_dir(args)
+    return MetricsLogger(
+        recipe=recipe, path=Path(args.out_dir) / "metrics.json", is_logging_rank=logging_rank,
+        tokens_per_sample=args.seq_len, flops_per_token=flops_per_token, peak_flops_per_device=peak_flops_per_device,
+        peak_source=peak_source, world_size=devices, log_every=args.log_every, history=history,
+        run_info={**run_info, "n_params": n_params, "config": vars(args),
+                  "resumed_from_step": history[-1]["step"] if history else None,
+                  "tensorboard_dir": str(events) if events else None},
+        tensorboard_dir=events, framework=framework,
+    )
+
+
+def container_runtime() -> str:
+    """The container this process runs in, as far as the runtime says so ("none" on the bare host)."""
+    if os.environ.get("SHIFTER_RUNTIME") or os.path.isdir("/opt/udiImage"):
+        return "shifter"
+    if os.path.exists("/run/.containerenv"):
+        return "podman"
+    if os.path.exists("/.dockerenv"):
+        return "docker"
+    return "none"
+
+
+def describe_run(env, backend: str, device, wrapper: str, versions: dict | None = None, **layout) -> dict:
+    """What ran: recorded in every metrics file so a result can be traced back to its layout and versions.
+
+    ``env``: the DistEnv; ``versions``: the framework versions to record (default: PyTorch's); ``layout``:
+    the parallel layout, e.g. ``dp=4`` or ``tp=2, pp=2, dp=1`` (recorded as "layout").
+    """
+    if versions is None:
+        import torch
+
+        versions = {"torch_version": torch.__version__}
+    return {
+        "world_size": env.world_size,
+        "backend": backend,
+        "device": str(device),
+        "launcher": env.launcher,
+        "master": f"{env.master_addr}:{env.master_port}",
+        "model_wrapper": wrapper,
+        "layout": layout,
+        **versions,
+        "python_version": sys.version.split()[0],
+        "python": sys.executable,
+        "container": container_runtime(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

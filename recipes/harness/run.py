@@ -1,0 +1,87 @@
+"""The steps of a run: where it starts, when it checkpoints, when it stops, and how it ends.
+
+    run = harness.TrainingRun(RECIPE, args, rank, start_step, agree=harness.max_across_ranks(world_size, device))
+    for step in run.steps():
+        ...                                    # the recipe's own training step
+        metrics.log_step(step, loss, global_batch, run.step_time(), lr)
+        if run.step_done(step, save):          # checkpoints when due; True: --stop-at-step or a stop signal
+            break
+    run.save_last(save)
+    ...                                        # the recipe's end-of-run proof (parameter spread)
+    code = run.finish(metrics, spread)         # metrics.json, the done line, the stop marker; the exit code
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from typing import Callable, Iterator
+
+from .checkpoint import checkpoint_due
+from .cli import stderr_line
+from .signals import STOP_MARKER, StopRequest
+
+
+class TrainingRun:
+    """``agree(value)``: the largest ``value`` over all ranks (the stop signal every rank acts on); the
+    identity for one process."""
+
+    def __init__(self, recipe: str, args: argparse.Namespace, rank: int, start_step: int,
+                 agree: Callable[[int], int] | None = None):
+        self.recipe, self.args, self.rank = recipe, args, rank
+        self.start_step = self.last_step = start_step
+        self.stopped_by = 0
+        self._agree = agree or (lambda value: value)
+        if rank == 0:
+            (args.out_dir / STOP_MARKER).unlink(missing_ok=True)  # from an earlier, stopped run
+        self.stop = StopRequest(recipe, rank)  # SIGUSR1 before the time limit, SIGTERM on preemption
+
+    def steps(self) -> Iterator[int]:
+        """The steps still to run (after a resume: from the checkpoint's next step), each one timed."""
+        for step in range(self.start_step + 1, self.args.max_steps + 1):
+            self._step_started = time.perf_counter()
+            yield step
+
+    def step_time(self) -> float:
+        """Seconds since the current step began (call it once the step's loss is known on every rank)."""
+        return time.perf_counter() - self._step_started
+
+    def step_done(self, step: int, save: Callable[[int], None]) -> bool:
+        """After ``step``: checkpoint if --checkpoint-every says so; True if the run stops here."""
+        self.last_step = step
+        if checkpoint_due(self.args, step):
+            save(step)
+        self.stopped_by = self._agree(self.stop.received)
+        return step == self.args.stop_at_step or bool(self.stopped_by)
+
+    def save_last(self, save: Callable[[int], None]) -> None:
+        """The last step's checkpoint, unless it was just written (or no step ran)."""
+        if self.last_step > self.start_step and not checkpoint_due(self.args, self.last_step):
+            save(self.last_step)
+
+    def finish(self, metrics, spread: float | None, extra: dict | None = None,
+               differ: str = "parameters differ across ranks") -> int:
+        """Record the end of the run and return its exit code: 3 when the copies of the model that should be
+        identical are not (``spread``, None where they are shards by design), otherwise 0, also after a stop
+        signal (then with OUT_DIR/stopped_by_signal, so that the launcher requeues the job). ``differ`` names the copies in the error line."""
+        signame = signal.Signals(self.stopped_by).name if self.stopped_by else None
+        metrics.write({"param_max_abs_diff_across_ranks": spread, "last_step": self.last_step,
+                       "stopped_early": self.last_step < self.args.max_steps, "stopped_by_signal": signame,
+                       **(extra or {})})
+        metrics.close()
+        if metrics.is_logging_rank:
+            s, peak = metrics.summary(), metrics.peak_flops_per_device
+            print(f"[{self.recipe}] done: step {self.last_step}/{self.args.max_steps}, final loss {s['final_loss']:.4f}, "
+                  f"{s['mean_samples_per_s']:.1f} samples/s, {s['mean_tokens_per_s']:.0f} tokens/s, "
+                  f"MFU {100 * s['mean_mfu']:.2f}% (peak {peak / 1e12:.3f} TFLOP/s, {metrics.peak_source}); "
+                  f"metrics in {metrics.path}", flush=True)
+        if spread:
+            stderr_line(f"[{self.recipe}] error: {differ} by up to {spread:.3g}: "
+                        "gradients were not synchronised")
+            return 3
+        if self.stopped_by and self.rank == 0:
+            StopRequest.write_marker(self.args.out_dir, self.stopped_by, self.last_step)
+            print(f"[{self.recipe}] stopped by {signame} after step {self.last_step}: checkpoint written; "
+                  "run again with the same --out-dir to continue (slurm/ files requeue the job themselves)", flush=True)
+        return 0
