@@ -8,7 +8,7 @@
 #   sbatch -N 4 slurm/deepspeed.sh --ds-config my_config.json --global-batch 256
 #
 # One srun task per rank, as slurm/ddp.sh: no `deepspeed` launcher, no ssh/pdsh hostfile. The recipe
-# takes its rank from SLURM_* (recipes/common.py), and refuses DeepSpeed batch sizes that do not fit the
+# takes its rank from SLURM_* (recipes/harness/launch.py), and refuses DeepSpeed batch sizes that do not fit the
 # world size before any rank starts. Publish the image first (`make push-deepspeed REGISTRY=...`,
 # `shifterimg pull docker:<registry>/hpcml/deepspeed:cuda`) and put its name in the --image line.
 # Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit and preemption: as slurm/ddp.sh

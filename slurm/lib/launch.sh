@@ -8,7 +8,7 @@
 #
 # What it needs from a recipe: `--out-dir DIR` (the sbatch file passes RUN_DIR), `--preflight WORLD_SIZE`
 # (check the options, exit 0 or 2 with one line), and, when stopped by SIGUSR1, a checkpoint plus the file
-# RUN_DIR/stopped_by_signal (recipes/common.py: StopRequest) and exit 0. Every rank sees
+# RUN_DIR/stopped_by_signal (recipes/harness/signals.py: StopRequest) and exit 0. Every rank sees
 # HPCML_EXPECTED_WORLD_SIZE (the job's task count) and refuses to train in a world of another size.
 #
 # Ranks are srun tasks (one task per rank), unless the sbatch file sets RECIPE_LAUNCHER: a bash script

@@ -8,7 +8,7 @@
 # time-limit warning) and SIGTERM reach the ranks and only them. A launcher such as torchrun's agent (under
 # `accelerate launch`) dies of SIGUSR1 (no handler) and answers SIGTERM by killing its ranks before they
 # can checkpoint. So the launcher starts with both signals ignored (inherited across exec; the ranks set
-# their own handlers: recipes/common.py, StopRequest), and this script passes each signal it gets on to
+# their own handlers: recipes/harness/signals.py, StopRequest), and this script passes each signal it gets on to
 # the launcher's children, the ranks: under podman only this process (the container's first) is
 # signalled, while bare or under Shifter Slurm signals every process of the step itself. The ranks
 # checkpoint and stop as under srun, the launcher exits with them, and this script with its exit code.
