@@ -21,6 +21,7 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
+    tie_embeddings: bool = True  # the output layer reuses the token embedding, as in GPT-2
 
     @classmethod
     def from_args(cls, args) -> "GPTConfig":
@@ -31,18 +32,20 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         # No bias: a key bias has an exactly zero gradient (softmax ignores a shift shared by all keys), so
         # Adam would scale pure rounding noise up to full-size updates and runs would differ for no reason.
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).split(dim, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, dim // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(batch, seq, dim))
+        batch, seq, _ = x.shape
+        # qkv's outputs are laid out head by head ([q k v] of head 0, then of head 1, ...), so tensor
+        # parallelism, which splits them into contiguous blocks, gives each rank whole heads: the head count
+        # is read from the (local) width, never assumed.
+        q, k, v = self.qkv(x).view(batch, seq, -1, 3, self.head_dim).unbind(dim=3)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -67,8 +70,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # tied, as in GPT-2
         self.apply(self._init_weights)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -82,12 +86,13 @@ class GPT(nn.Module):
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return cross_entropy(self.head(self.ln_f(x)), targets)
 
     def num_params_for_flops(self) -> int:
-        """Parameters that take part in matmuls: all but the position embedding (a lookup)."""
-        return sum(p.numel() for p in self.parameters()) - self.pos_emb.weight.numel()
+        """Parameters that take part in matmuls: all but the embeddings, which are lookups (a token embedding
+        tied to the output layer is that layer's weight, and counts)."""
+        lookups = self.pos_emb.weight.numel() + (0 if self.cfg.tie_embeddings else self.tok_emb.weight.numel())
+        return sum(p.numel() for p in self.parameters()) - lookups
 
     def size(self) -> tuple[int, float]:
         """(parameters, training FLOPs per token): what the metrics log and MFU need."""
@@ -97,3 +102,8 @@ class GPT(nn.Module):
         """Training FLOPs per token, for MFU: 6N + 12*L*d*T (harness.transformer_flops_per_token)."""
         cfg = self.cfg
         return transformer_flops_per_token(self.num_params_for_flops(), cfg.n_layer, cfg.n_embd, cfg.seq_len)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss over every position of every row (in float32, whatever the logits' dtype)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -135,7 +135,8 @@ class MetricsLogger:
     framework: str = "torch"  # whose TensorBoard writer: "torch" or "tensorflow"
     _writer: object = field(default=None, repr=False)
 
-    def log_step(self, step: int, loss: float, samples: int, step_time_s: float, lr: float) -> None:
+    def log_step(self, step: int, loss: float, samples: int, step_time_s: float, lr: float, **extra: float) -> None:
+        """One step's record; ``extra``: more numbers of the step (e.g. grad_norm), in JSON and TensorBoard."""
         tokens_per_s = samples * self.tokens_per_sample / step_time_s
         mfu = tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops_per_device)
         record = {
@@ -146,6 +147,7 @@ class MetricsLogger:
             "samples_per_s": samples / step_time_s,
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
+            **extra,
         }
         self.history.append(record)
         if not self.is_logging_rank:
@@ -153,7 +155,7 @@ class MetricsLogger:
         if self.tensorboard_dir is not None:
             if self._writer is None:
                 self._writer = open_tensorboard_writer(self.tensorboard_dir, self.framework)
-            for key in ("loss", "lr", "tokens_per_s", "mfu", "step_time_s"):
+            for key in ("loss", "lr", "tokens_per_s", "mfu", "step_time_s", *extra):
                 self._writer.add_scalar(f"train/{key}", record[key], step)
         if step % self.log_every == 0:
             print(

@@ -1,0 +1,235 @@
+"""How the FSDP2 + TP + PP recipe cuts the stack's GPT over its DeviceMesh (as torchtitan's parallelize.py):
+
+- ``Layout`` and ``choose_layout``: the sizes PP x DP_replicate x DP_shard x TP, every rule checked before
+  any rank starts (one line each, with the fix);
+- ``GPTStage``: the layers of one pipeline stage (embeddings on the first, the head on the last), named
+  as in the full model (``blocks.<global index>``), so a checkpoint of any layout loads into any other;
+- ``apply_tensor_parallel``: the TP plan of a block (attention and MLP: column-wise in, row-wise out;
+  whole heads per rank), ``apply_fsdp``: FSDP2 per block and per stage (HSDP with DP_replicate > 1).
+
+The TESTS ONLY switches of train.py (``--test-break``) come in here as the wrong versions of these steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import harness
+from gpt import GPT
+
+SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    virtual: int  # pipeline stages per PP rank (Interleaved1F1B)
+    micro_batches: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp > 1
+
+    def wrapper(self, schedule: str) -> str:
+        """What wraps the model, for the logs and metrics.json: e.g. "FSDP2+TP", "TP+PP(1F1B)", "none"."""
+        parts = ["HSDP" if self.dp_replicate > 1 else "FSDP2"] if self.fsdp else []
+        parts += ["TP"] if self.tp > 1 else []
+        parts += [f"PP({schedule})"] if self.pp > 1 else []
+        return "+".join(parts) or "none"
+
+    def mesh_shape(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+
+def ranks_per_node(environ=os.environ) -> int | None:
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    match = re.match(r"(\d+)", environ.get("SLURM_TASKS_PER_NODE", ""))  # e.g. "4(x2)"
+    return int(match.group(1)) if match else None
+
+
+def choose_layout(args: argparse.Namespace, world_size: int) -> Layout:
+    """The mesh sizes for ``world_size`` ranks. Unset sizes come from the allocation: TP within a node (the
+    ranks per node, when they divide the heads), pipeline 1, and FSDP over what is left."""
+    pp, dp_replicate = args.pp, args.dp_replicate
+    harness.require_at_least_one(args, "pp", "dp_replicate", "pp_virtual", "global_batch")
+    tp = args.tp
+    if tp is None:
+        per_node = ranks_per_node() or 1
+        fits = per_node > 1 and world_size % (per_node * pp * dp_replicate) == 0 and args.n_head % per_node == 0
+        tp = per_node if fits and args.dp_shard is None else 1
+    if tp < 1:
+        raise harness.ConfigError(f"--tp must be at least 1, got {tp}")
+    rest = pp * dp_replicate * tp
+    if args.dp_shard is None:
+        if world_size % rest:
+            raise harness.ConfigError(f"world size {world_size} is not divisible by PP x DP_replicate x TP = {pp} x "
+                                      f"{dp_replicate} x {tp} = {rest}: launch a multiple of {rest} ranks, or change them")
+        dp_shard = world_size // rest
+    else:
+        dp_shard = args.dp_shard
+        if dp_shard < 1 or rest * dp_shard != world_size:
+            raise harness.ConfigError(f"PP x DP_replicate x DP_shard x TP = {pp} x {dp_replicate} x {dp_shard} x {tp} = "
+                                      f"{rest * dp_shard}, but the job has {world_size} ranks: make the product the "
+                                      "world size, or leave --dp-shard out (it takes what is left)")
+    micro = args.micro_batches if args.micro_batches is not None else (2 * pp if pp > 1 else 1)
+    layout = Layout(pp, dp_replicate, dp_shard, tp, args.pp_virtual, micro)
+    check_layout(args, layout)
+    return layout
+
+
+def check_layout(args: argparse.Namespace, layout: Layout) -> None:
+    if args.n_head % layout.tp:
+        raise harness.ConfigError(f"--n-head {args.n_head} is not divisible by --tp {layout.tp}: each TP rank takes whole heads")
+    interleaved = args.pp_schedule == "Interleaved1F1B"
+    if interleaved != (layout.virtual > 1):
+        raise harness.ConfigError("--pp-schedule Interleaved1F1B goes with --pp-virtual 2 or more (stages per PP rank), "
+                                  f"the other schedules with --pp-virtual 1; got {args.pp_schedule} and {layout.virtual}")
+    if args.n_layer % layout.stages:
+        what = f"PP x virtual = {layout.pp} x {layout.virtual} = {layout.stages}" if interleaved else f"--pp {layout.pp}"
+        raise harness.ConfigError(f"--n-layer {args.n_layer} is not divisible by {what}: every stage gets the same layers")
+    if layout.micro_batches < 1 or (layout.pp == 1 and layout.micro_batches != 1):
+        raise harness.ConfigError(f"--micro-batches {layout.micro_batches}: micro-batches are the pipeline's (--pp 2 "
+                                  "or more); leave it out without a pipeline")
+    if interleaved and layout.micro_batches % layout.pp:
+        raise harness.ConfigError(f"Interleaved1F1B needs --micro-batches ({layout.micro_batches}) divisible by --pp {layout.pp}")
+    rows = layout.dp * layout.micro_batches
+    harness.require_divisible("--global-batch", args.global_batch, rows,
+                              f"DP {layout.dp} x --micro-batches {layout.micro_batches} = {rows}")
+    if layout.pp > 1 and layout.micro_batches < layout.pp:
+        harness.stderr_line(f"[fsdp_tp_pp] warning: {layout.micro_batches} micro-batches for {layout.pp} stages: most "
+                            f"stages wait (the bubble); use --micro-batches {2 * layout.pp} or more")
+    needs = {"tp-no-reduce": layout.tp > 1, "fsdp-grad-sum": layout.fsdp, "fsdp-no-reduce": layout.fsdp,
+             "pp-loss-unscaled": layout.pp > 1 and layout.micro_batches > 1}
+    if args.test_break and not needs[args.test_break]:
+        raise harness.ConfigError(f"--test-break {args.test_break} needs the parallelism it breaks in the layout")
+
+
+def build_mesh(layout: Layout, device: torch.device):
+    """The named 4-D mesh (None for one process). Ranks are laid out TP fastest, then DP_shard, DP_replicate,
+    PP: with ranks numbered node by node, TP stays within a node and PP crosses nodes."""
+    if layout.pp * layout.dp * layout.tp == 1:
+        return None
+    shape = layout.mesh_shape()
+    return init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+
+
+class GPTStage(nn.Module):
+    """Layers [first, last) of ``model``: the embeddings if first == 0, the final norm and head if last is
+    the end. Module names are the full model's, so every layout has the same parameter names."""
+
+    def __init__(self, model: GPT, first: int, last: int):
+        super().__init__()
+        self.is_first, self.is_last = first == 0, last == len(model.blocks)
+        if self.is_first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        self.blocks = nn.ModuleDict({str(index): model.blocks[index] for index in range(first, last)})
+        if self.is_last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.is_last else x
+
+
+def local_stages(model: GPT, layout: Layout, pp_rank: int) -> list[tuple[int, GPTStage]]:
+    """(stage index, module) of this PP rank: stage s = pp_rank + v * PP (the loop order of the interleaved
+    schedule), each with n_layer / stages consecutive layers."""
+    per_stage = len(model.blocks) // layout.stages
+    indices = [pp_rank + v * layout.pp for v in range(layout.virtual)]
+    return [(s, GPTStage(model, s * per_stage, (s + 1) * per_stage)) for s in indices]
+
+
+class RowwiseWithoutReduce(RowwiseParallel):
+    """TESTS ONLY, wrong on purpose: row-wise parallel whose ranks keep their partial sums (no all-reduce)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()
+
+
+def apply_tensor_parallel(stage: GPTStage, tp_mesh, break_reduce: bool = False) -> None:
+    """Megatron's layout, in DTensor: qkv and the MLP's first layer column-wise (each rank its heads, its part
+    of the hidden width), the projections after them row-wise (their partial sums all-reduced). Embeddings,
+    norms and head stay replicated over TP. ``break_reduce`` (TESTS ONLY): row-wise without that all-reduce."""
+    row_wise = RowwiseWithoutReduce if break_reduce else RowwiseParallel
+    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": row_wise(), "mlp.0": ColwiseParallel(), "mlp.2": row_wise()}
+    for block in stage.blocks.values():
+        parallelize_module(block, tp_mesh, plan)
+
+
+def apply_fsdp(stage: GPTStage, dp_mesh, param_dtype: torch.dtype | None, test_break: str | None) -> None:
+    """FSDP2: every block its own unit (its parameters gathered just before it runs), then the stage for
+    what is left. ``param_dtype`` bf16 on GPU (gradients reduced in float32). ``test_break`` (TESTS ONLY):
+    "fsdp-grad-sum" sums the gradients instead of averaging them; "fsdp-no-reduce" skips the reduce-scatter."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
+        MixedPrecisionPolicy()
+    units = [fully_shard(block, mesh=dp_mesh, mp_policy=policy) for block in stage.blocks.values()]
+    units.append(fully_shard(stage, mesh=dp_mesh, mp_policy=policy))
+    for unit in units:
+        if test_break == "fsdp-grad-sum":  # FSDP's own switch: reduce with SUM and divide by 1
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_gradient_divide_factor(1.0)
+        elif test_break == "fsdp-no-reduce":
+            unit.set_requires_gradient_sync(False)
+
+
+def grad_norm(stages: list[GPTStage], pp_group) -> float:
+    """The global gradient norm (every parameter of every stage, full tensors): the same number in any layout
+    when the gradients are right; a wrong scale (a sum for a mean, micro-batches not averaged) shows at once."""
+    squares = torch.zeros((), dtype=torch.float64)
+    for stage in stages:
+        for param in stage.parameters():
+            if param.grad is not None:
+                norm = torch.linalg.vector_norm(param.grad.float())
+                squares += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    if pp_group is not None:  # each PP rank holds other layers
+        squares = squares.to(next(stages[0].parameters()).device)
+        torch.distributed.all_reduce(squares, group=pp_group)
+    return float(squares) ** 0.5
+
+
+def expected_mesh_dims(name: str, layout: Layout) -> tuple[str, ...]:
+    """The mesh dimensions parameter ``name`` must be a DTensor over (() for a plain tensor)."""
+    tp_planned = re.search(r"\.(attn\.qkv|attn\.proj|mlp\.0|mlp\.2)\.", name) is not None
+    dims = (("dp_replicate",) if layout.dp_replicate > 1 else ()) + (("dp_shard",) if layout.fsdp else ())
+    return dims + (("tp",) if layout.tp > 1 and tp_planned else ())
+
+
+def placements(stages: list[GPTStage], layout: Layout) -> dict[str, str]:
+    """Every parameter's mesh dimensions and placements, checked against what the layout must give: the
+    proof, from inside the run, that FSDP2 and TP really wrapped what they should (nothing fell back)."""
+    found = {}
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            is_dtensor = isinstance(param, DTensor)
+            dims = tuple(param.device_mesh.mesh_dim_names) if is_dtensor else ()
+            if dims != expected_mesh_dims(name, layout):
+                raise RuntimeError(f"{name} is over mesh dims {dims}, expected {expected_mesh_dims(name, layout)}")
+            found[name] = f"{dims} {tuple(param.placements)}" if is_dtensor else "plain tensor"
+    return found

@@ -1,0 +1,263 @@
+"""PyTorch-native model parallelism on one DeviceMesh: FSDP2, tensor parallel and pipeline parallel together.
+
+The stack's GPT over a named mesh PP x DP_replicate x DP_shard x TP, composed as torchtitan does: DTensor
+tensor parallelism inside each block (whole heads per rank), FSDP2 (``fully_shard``, HSDP when
+DP_replicate > 1) per block, and a ``torch.distributed.pipelining`` schedule over stages cut from the
+layer list. world = PP x DP_replicate x DP_shard x TP; unset sizes come from the allocation: TP within a
+node, FSDP across.
+
+    # one process (the reference every layout is checked against)
+    python recipes/fsdp_tp_pp/train.py
+
+    # on this machine (CPU/gloo; on a GPU node the same, NCCL and bf16)
+    torchrun --standalone --nproc_per_node=2 recipes/fsdp_tp_pp/train.py --tp 1 --dp-shard 2      # FSDP2
+    torchrun --standalone --nproc_per_node=4 recipes/fsdp_tp_pp/train.py --tp 2 --dp-shard 2      # FSDP2 x TP
+    torchrun --standalone --nproc_per_node=4 recipes/fsdp_tp_pp/train.py --tp 2 --pp 2            # TP x PP
+    torchrun --standalone --nproc_per_node=2 recipes/fsdp_tp_pp/train.py --tp 1 --pp 2 --n-layer 4 \\
+        --pp-schedule Interleaved1F1B --pp-virtual 2                                            # interleaved
+
+    # Perlmutter (4 A100 per node): 2 nodes = TP 4 x FSDP 2; 8 nodes with a pipeline = TP 4 x PP 2 x FSDP 4
+    sbatch slurm/fsdp_tp_pp.sh
+    sbatch -N 8 slurm/fsdp_tp_pp.sh --pp 2 --n-layer 24 --n-embd 2048 --n-head 16
+
+Every layout starts from the same weights (the full model is built from --seed on every rank, then each
+rank keeps its stages and its shards), and step s is the same global batch: each DP rank trains on its
+rows, the pipeline cuts them into --micro-batches. Checkpoints are torch.distributed.checkpoint (DCP)
+directories (model, optimizer, RNG; the data position is the step), sharded as trained and loadable in
+any other layout (e.g. saved at FSDP 2 x TP 2, resumed at PP 2). Sizes that cannot form the mesh are
+refused before any rank starts (--preflight N), one line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the harness and the model
+import harness  # noqa: E402
+import parallelize  # noqa: E402  (next to this file)
+from gpt import GPT, GPTConfig, cross_entropy  # noqa: E402
+
+RECIPE = "fsdp_tp_pp"
+SCHEDULE = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B, "GPipe": ScheduleGPipe}
+DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: reshardable
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = harness.new_parser(__doc__)
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default: the ranks of a node)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks that each hold a block of layers)")
+    p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP; default 1: FSDP)")
+    p.add_argument("--dp-shard", type=int, default=None, help="FSDP2 shards (default: what is left of the world)")
+    p.add_argument("--pp-schedule", choices=parallelize.SCHEDULES, default="1F1B")
+    p.add_argument("--pp-virtual", type=int, default=1, help="stages per PP rank (Interleaved1F1B: 2 or more)")
+    p.add_argument("--micro-batches", type=int, default=None, help="per DP rank and step (default: 2 x PP)")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step, summed over the DP ranks")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                   help="sgd: plain SGD, which a wrong gradient scale cannot hide from (the parity tests use it)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU speed; slow to start)")
+    p.add_argument("--test-break", choices=["tp-no-reduce", "fsdp-grad-sum", "fsdp-no-reduce", "pp-loss-unscaled"],
+                   default=None, help="TESTS ONLY, wrong on purpose: break one parallelism (the negative controls)")
+    p.add_argument("--test-resume-without-optimizer", action="store_true",
+                   help="TESTS ONLY, wrong on purpose: resume the weights but a fresh optimizer (the resume control)")
+    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> parallelize.Layout:
+    harness.validate_run(args, world_size)
+    harness.require_positive(args, "lr")
+    return parallelize.choose_layout(args, world_size)
+
+
+def state_dicts(stages: list, optimizers: list) -> list[dict]:
+    """Each local stage's model and optimizer state, keyed by global parameter names (DCP reshards them)."""
+    return [{**{f"model.{k}": v for k, v in get_model_state_dict(stage).items()},
+             **{f"optim.{k}": v for k, v in get_optimizer_state_dict(stage, optimizer, options=DCP_OPTIONS).items()}}
+            for stage, optimizer in zip(stages, optimizers)]
+
+
+def load_dcp(path: Path, stages: list, optimizers: list, with_optimizer: bool) -> None:
+    for optimizer in optimizers:  # AdamW has no state before its first step: make room for the saved one
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+    per_stage = state_dicts(stages, optimizers)
+    wanted = ("model.", "optim.") if with_optimizer else ("model.",)
+    # (DCP loads into these tensors in place, and they are the optimizer's own state tensors: leaving the
+    # optimizer out means leaving its keys out here)
+    merged = {"rng": torch.get_rng_state()} | {k: v for d in per_stage for k, v in d.items() if k.startswith(wanted)}
+    dcp.load(merged, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    torch.set_rng_state(merged["rng"])
+    for stage, optimizer, own in zip(stages, optimizers, per_stage):
+        set_model_state_dict(stage, {k[6:]: merged[k] for k in own if k.startswith("model.")})
+        if with_optimizer:
+            set_optimizer_state_dict(stage, optimizer, {k[6:]: merged[k] for k in own if k.startswith("optim.")},
+                                     options=DCP_OPTIONS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_cfg = GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd, tie_embeddings=False)
+    must_match = {"model_cfg": asdict(model_cfg), "global_batch": args.global_batch}  # any layout may resume
+    if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
+        layout = validate(args, args.preflight)
+        resume_from, _ = harness.resume_dir(args, must_match)
+        return harness.preflight_line(RECIPE, " x ".join(f"{k} {v}" for k, v in layout.mesh_shape().items())
+                                      + f" = {args.preflight} ranks, {layout.micro_batches} micro-batches", resume_from)
+    env = harness.detect_dist_env()
+    layout = validate(args, env.world_size)
+    harness.check_expected_world_size(env.world_size)
+    resume_from, trainer_state = harness.resume_dir(args, must_match)
+
+    # ---- rank, device, backend, mesh
+    device, backend = harness.setup_torch_distributed(env, args.timeout_s)
+    mesh = parallelize.build_mesh(layout, device)
+    coordinate = {name: mesh.get_local_rank(name) if mesh else 0 for name in layout.mesh_shape()}
+    dp_rank = coordinate["dp_replicate"] * layout.dp_shard + coordinate["dp_shard"]
+    hostnames = harness.all_hostnames(env.world_size)
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" or (args.dtype == "auto" and on_gpu) else torch.float32
+    if env.rank == 0:
+        print(f"[{RECIPE}] world_size={env.world_size} backend={backend} device={device.type} mesh="
+              f"{'x'.join(f'{k}{v}' for k, v in layout.mesh_shape().items())} schedule={args.pp_schedule} "
+              f"micro-batches={layout.micro_batches} dtype={dtype} launcher={env.launcher} hosts={','.join(hostnames)}",
+              flush=True)
+
+    # ---- model: the full GPT from the seed on every rank; this rank keeps its stages, then TP, then FSDP2
+    torch.manual_seed(args.seed)
+    full = GPT(model_cfg)
+    size = full.size()
+    local = parallelize.local_stages(full, layout, coordinate["pp"])  # [(stage index, module)]
+    stages = [stage.to(device) for _, stage in local]
+    del full
+    for stage in stages:
+        if layout.tp > 1:
+            parallelize.apply_tensor_parallel(stage, mesh["tp"], break_reduce=args.test_break == "tp-no-reduce")
+        for block in stage.blocks.values():
+            if args.activation_checkpointing:
+                forward = block.forward
+                block.forward = lambda x, forward=forward: torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+            if args.compile:
+                block.compile()
+        if layout.fsdp:
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+            parallelize.apply_fsdp(stage, dp_mesh, dtype if dtype != torch.float32 else None, args.test_break)
+    # Frameworks fall back to no parallelism silently: check every parameter's DTensor mesh and placements.
+    placements = parallelize.placements(stages, layout)
+    if mesh is not None:
+        assert tuple(mesh.shape) == tuple(layout.mesh_shape().values()) and dist.get_world_size() == env.world_size
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32 and not layout.fsdp)
+    make_optimizer = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0),
+                      "sgd": lambda ps: torch.optim.SGD(ps, lr=args.lr)}[args.optimizer]
+    optimizers = [make_optimizer(stage.parameters()) for stage in stages]
+
+    schedule = None
+    if layout.pp > 1:  # the pipeline: this rank's stages, the schedule that runs the micro-batches through them
+        pipeline = [PipelineStage(stage, index, layout.stages, device, group=mesh["pp"].get_group())
+                    for (index, _), stage in zip(local, stages)]
+        schedule = SCHEDULE[args.pp_schedule](
+            pipeline if layout.virtual > 1 else pipeline[0], n_microbatches=layout.micro_batches,
+            loss_fn=cross_entropy, scale_grads=args.test_break != "pp-loss-unscaled")  # scale: the micro-batches' mean
+    has_first, has_last = stages[0].is_first, stages[-1].is_last
+
+    checkpoint_dir = args.out_dir / "checkpoints"
+    start_step, history = 0, []
+    if trainer_state:
+        load_dcp(resume_from, stages, optimizers, with_optimizer=not args.test_resume_without_optimizer)
+        start_step, history = trainer_state["step"], trainer_state["history"]
+        if env.rank == 0:
+            print(f"[{RECIPE}] resumed from {resume_from} (step {start_step}, written with "
+                  f"{trainer_state['layout']})", flush=True)
+
+    run_info = {**harness.describe_run(env, backend, device, layout.wrapper(args.pp_schedule), **asdict(layout)),
+                "mesh": layout.mesh_shape(), "schedule": args.pp_schedule if layout.pp > 1 else None,
+                "placements": gather_placements(placements, env.world_size), "dtype": str(dtype), "hostnames": hostnames}
+    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=env.rank == 0,
+                                    devices=env.world_size, size=size, peak=harness.peak_flops(device, dtype, args.peak_tflops))
+
+    def save(step: int) -> None:  # every rank writes its shards of its stages
+        state = {"rng": torch.get_rng_state()} | {k: v for d in state_dicts(stages, optimizers) for k, v in d.items()}
+        harness.save_sharded_checkpoint(
+            checkpoint_dir, step, lambda staging: dcp.save(state, checkpoint_id=str(staging), no_dist=env.world_size == 1),
+            {"history": metrics.history, **must_match, "layout": asdict(layout)}, writes_state=env.rank == 0,
+            is_rank0=env.rank == 0, barrier=dist.barrier if env.world_size > 1 else lambda: None)
+        metrics.write()
+
+    # ---- training loop: every DP rank its rows of the step's batch; TP and PP ranks of a replica the same
+    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
+    for stage in stages:
+        stage.train()
+    for step in run.steps():
+        inputs, targets = (t.to(device) for t in data.local_batch(step, args.global_batch, dp_rank, layout.dp))
+        with autocast:
+            if schedule is None:
+                loss = cross_entropy(stages[0](inputs), targets)
+                loss.backward()  # TP's all-reduces and FSDP2's reduce-scatters run inside backward
+            else:
+                losses = []
+                schedule.step(*([inputs] if has_first else []), target=targets if has_last else None,
+                              losses=losses if has_last else None)
+                loss = torch.stack(losses).mean() if has_last else torch.zeros((), device=device)
+        norm = parallelize.grad_norm(stages, mesh["pp"].get_group() if layout.pp > 1 else None)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        # The loss lives on the last stage, the same on each of its TP ranks: its mean over DP ranks
+        global_loss = harness.mean_across_ranks(loss.detach().float(), env.world_size) * layout.pp
+        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), args.lr, grad_norm=norm)
+        if run.step_done(step, save):
+            break
+    run.save_last(save)
+
+    # ---- prove from inside the run that the copies that must agree do: the full parameters of a stage
+    # are the same on every rank that holds that stage (replicas over DP_replicate, TP's replicated ones)
+    spread = stage_spread(stages, mesh, layout, coordinate["pp"])
+    exit_code = run.finish(metrics, spread, differ="parameters differ across the ranks of a stage")
+    if env.world_size > 1:
+        del schedule, local, stages, optimizers, mesh  # they hold the process groups: drop them before leaving
+        harness.leave_process_group()
+    return exit_code
+
+
+def gather_placements(local: dict[str, str], world_size: int) -> dict[str, str]:
+    """Every stage's parameter placements (each PP rank knows only its own), for metrics.json."""
+    if world_size == 1:
+        return local
+    everyone: list[dict | None] = [None] * world_size
+    dist.all_gather_object(everyone, local)
+    return {name: text for part in everyone for name, text in sorted(part.items())}
+
+
+def stage_spread(stages: list, mesh, layout: parallelize.Layout, pp_rank: int) -> float:
+    """Largest difference of a full parameter between two ranks of the same pipeline stage (0.0: in sync)."""
+    if mesh is None:
+        return 0.0
+    from torch.distributed.tensor import DTensor
+
+    groups = [dist.new_group(mesh.mesh[p].flatten().tolist()) for p in range(layout.pp)]  # every rank makes all
+    full = [p.full_tensor() if isinstance(p, DTensor) else p.detach() for stage in stages for p in stage.parameters()]
+    return harness.max_difference_across_ranks(full, layout.dp * layout.tp, group=groups[pp_rank])
+
+
+if __name__ == "__main__":
+    harness.main_entry(RECIPE, main)
