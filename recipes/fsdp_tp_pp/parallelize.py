@@ -13,7 +13,6 @@ The TESTS ONLY switches of train.py (``--test-break``) come in here as the wrong
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from dataclasses import dataclass
 
@@ -62,14 +61,6 @@ class Layout:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
 
 
-def ranks_per_node(environ=os.environ) -> int | None:
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        if environ.get(name, "").isdigit():
-            return int(environ[name])
-    match = re.match(r"(\d+)", environ.get("SLURM_TASKS_PER_NODE", ""))  # e.g. "4(x2)"
-    return int(match.group(1)) if match else None
-
-
 def choose_layout(args: argparse.Namespace, world_size: int) -> Layout:
     """The mesh sizes for ``world_size`` ranks. Unset sizes come from the allocation: TP within a node (the
     ranks per node, when they divide the heads), pipeline 1, and FSDP over what is left."""
@@ -77,7 +68,7 @@ def choose_layout(args: argparse.Namespace, world_size: int) -> Layout:
     harness.require_at_least_one(args, "pp", "dp_replicate", "pp_virtual", "global_batch")
     tp = args.tp
     if tp is None:
-        per_node = ranks_per_node() or 1
+        per_node = harness.ranks_per_node() or 1
         fits = per_node > 1 and world_size % (per_node * pp * dp_replicate) == 0 and args.n_head % per_node == 0
         tp = per_node if fits and args.dp_shard is None else 1
     if tp < 1:

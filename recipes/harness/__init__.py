@@ -14,32 +14,38 @@ Recipes put ``recipes/`` on ``sys.path`` and ``import harness``; the names below
 No module imports PyTorch or TensorFlow at import time (the TensorFlow recipes load no torch).
 """
 
-from .checkpoint import (CRASH_DURING_CHECKPOINT_ENV, TRAINER_STATE, atomic_write_bytes, latest_checkpoint,
-                         latest_checkpoint_dir, list_checkpoint_dirs, list_checkpoints, publish_checkpoint_dir,
-                         restore_rng_state, resume_dir, resume_file, rng_state, save_checkpoint, save_checkpoint_dir,
-                         save_sharded_checkpoint, staging_checkpoint_dir)
-from .cli import (ConfigError, add_data_options, add_gpt_options, add_run_options, main_entry, new_parser,
-                  parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible, require_positive,
-                  stderr_line, tensorboard_dir, validate_run)
-from .data import SyntheticTokens, numpy_token_batch
-from .launch import (EXPECTED_WORLD_SIZE_ENV, DistEnv, all_hostnames, check_expected_world_size, default_master_port,
-                     detect_dist_env, expand_hostlist, leave_process_group, max_across_ranks, max_difference_across_ranks,
-                     mean_across_ranks, nodes_in_job, setup_torch_distributed)
-from .metrics import (MetricsLogger, describe_run, gpu_peak_flops, peak_flops, start_metrics,
-                      transformer_flops_per_token)
+from .checkpoint import (
+    atomic_write_bytes, CRASH_DURING_CHECKPOINT_ENV, latest_checkpoint, latest_checkpoint_dir,
+    list_checkpoint_dirs, list_checkpoints, publish_checkpoint_dir, restore_rng_state, resume_dir, resume_file,
+    rng_state, save_checkpoint, save_checkpoint_dir, save_sharded_checkpoint, staging_checkpoint_dir,
+    TRAINER_STATE,
+)
+from .cli import (
+    add_data_options, add_gpt_options, add_run_options, ConfigError, main_entry, new_parser,
+    parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible,
+    require_positive, stderr_line, tensorboard_dir, validate_run,
+)
+from .data import numpy_token_batch, SyntheticTokens
+from .launch import (
+    all_hostnames, check_expected_world_size, default_master_port, detect_dist_env, DistEnv, expand_hostlist,
+    EXPECTED_WORLD_SIZE_ENV, leave_process_group, max_across_ranks, max_difference_across_ranks,
+    mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed,
+)
+from .metrics import describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, transformer_flops_per_token
 from .run import TrainingRun
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
 __all__ = [
-    "CRASH_DURING_CHECKPOINT_ENV", "ConfigError", "DistEnv", "EXPECTED_WORLD_SIZE_ENV", "MetricsLogger",
-    "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "TRAINER_STATE", "TrainingRun",
     "add_data_options", "add_gpt_options", "add_run_options", "all_hostnames", "atomic_write_bytes",
-    "check_expected_world_size", "default_master_port", "describe_run", "detect_dist_env", "expand_hostlist",
-    "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "list_checkpoint_dirs", "list_checkpoints",
-    "main_entry", "leave_process_group", "max_across_ranks", "max_difference_across_ranks", "mean_across_ranks", "new_parser",
-    "nodes_in_job", "numpy_token_batch", "parse_args_with_config", "parse_recipe_args", "peak_flops", "preflight_line",
-    "publish_checkpoint_dir", "require_at_least_one", "require_divisible", "require_positive",
-    "restore_rng_state", "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
+    "check_expected_world_size", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV", "default_master_port",
+    "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV",
+    "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "leave_process_group",
+    "list_checkpoint_dirs", "list_checkpoints", "main_entry", "max_across_ranks", "max_difference_across_ranks",
+    "mean_across_ranks", "MetricsLogger", "new_parser", "nodes_in_job", "numpy_token_batch",
+    "parse_args_with_config", "parse_recipe_args", "peak_flops", "preflight_line", "publish_checkpoint_dir",
+    "ranks_per_node", "require_at_least_one", "require_divisible", "require_positive", "restore_rng_state",
+    "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
     "save_sharded_checkpoint", "setup_torch_distributed", "staging_checkpoint_dir", "start_metrics",
-    "stderr_line", "tensorboard_dir", "transformer_flops_per_token", "validate_run",
+    "stderr_line", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir",
+    "TRAINER_STATE", "TrainingRun", "transformer_flops_per_token", "validate_run",
 ]

@@ -110,6 +110,16 @@ def detect_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
     return DistEnv(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=29500, launcher="single")
 
 
+def ranks_per_node(environ: dict[str, str] | None = None) -> int | None:
+    """Ranks on this node, as the launcher says: torchrun's LOCAL_WORLD_SIZE or Slurm's tasks per node."""
+    env = os.environ if environ is None else environ
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    match = re.match(r"(\d+)", env.get("SLURM_TASKS_PER_NODE", ""))  # e.g. "4(x2)"
+    return int(match.group(1)) if match else None
+
+
 def nodes_in_job(environ: dict[str, str] | None = None) -> int | None:
     env = os.environ if environ is None else environ
     nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import re
 from dataclasses import dataclass
 
 import torch
@@ -27,15 +25,6 @@ class Layout:
     vp: int | None
     micro_batch: int
     num_microbatches: int  # per DP rank and optimizer step
-
-
-def ranks_per_node_from_env(environ=os.environ) -> int | None:
-    """Ranks on this node, as the launcher says: torchrun's LOCAL_WORLD_SIZE or Slurm's tasks per node."""
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        if environ.get(name, "").isdigit():
-            return int(environ[name])
-    match = re.match(r"(\d+)", environ.get("SLURM_TASKS_PER_NODE", ""))  # e.g. "4(x2)"
-    return int(match.group(1)) if match else None
 
 
 def validate(args: argparse.Namespace, world_size: int) -> Layout:
@@ -86,7 +75,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
         raise harness.ConfigError(f"the interleaved schedule (--vp) needs micro-batches ({num_microbatches}) divisible by --pp {pp}")
     if args.layer_spec == "te" and not (torch.cuda.is_available() and have_transformer_engine()):
         raise harness.ConfigError("--layer-spec te needs a GPU and Transformer Engine (the cuda image has both); use auto or local")
-    per_node = args.ranks_per_node or ranks_per_node_from_env()
+    per_node = args.ranks_per_node or harness.ranks_per_node()
     if per_node and tp > per_node:
         harness.stderr_line(f"[{RECIPE}] warning: --tp {tp} is more than the {per_node} ranks per node: tensor "
                            "parallelism across nodes all-reduces every layer over the network (slow on Slingshot); "
