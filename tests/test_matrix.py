@@ -43,6 +43,7 @@ PARALLEL_RUN = {
     "ddp": {"model_wrapper": "DistributedDataParallel", "launcher": "srun"},
     "accelerate": {"model_wrapper": "DistributedDataParallel", "launcher": "torchrun", "distributed_type": "MULTI_CPU"},
     "deepspeed": {"model_wrapper": "DeepSpeedEngine", "launcher": "srun"},
+    "fsdp_tp_pp": {"launcher": "srun"},  # (its wrapper depends on the layout: the cell's layout is checked)
     "megatron_tp_pp": {"model_wrapper": "DistributedDataParallel", "launcher": "srun", "cpu_placement_shim": True},
     "horovod": {"model_wrapper": "DistributedGradientTape", "launcher": "srun (gloo controller, rendezvous on rank 0)",
                 "collectives": "gloo"},
@@ -88,6 +89,10 @@ def reference_args(recipe: str, args: list[str], world: int) -> tuple[str, ...]:
                 "--lr", str(float(value("--lr", "1e-3")) * world))
     if recipe == "tf_mirrored":
         return (*args, "--devices", "1")
+    if recipe == "fsdp_tp_pp":  # the same model and batch, none of the layout (slurm/fsdp_tp_pp.sh adds --tp)
+        layout_options = {"--pp", "--tp", "--dp-shard", "--dp-replicate", "--micro-batches", "--pp-schedule", "--pp-virtual"}
+        kept = [a for i, a in enumerate(args) if a not in layout_options and (i == 0 or args[i - 1] not in layout_options)]
+        return (*kept, "--tp", "1")
     return tuple(args)
 
 

@@ -217,6 +217,18 @@ def test_megatron_time_limit_signal_writes_a_distributed_checkpoint_across_the_p
     assert (checkpoint / "metadata.json").exists() and list(checkpoint.glob("*.distcp"))
 
 
+def test_fsdp_tp_pp_time_limit_signal_writes_a_dcp_checkpoint_of_every_shard(slurm_cluster, tmp_path):
+    """slurm/fsdp_tp_pp.sh on 2 nodes x 1 task (TP 1 per node, FSDP2 across the two): at SIGUSR1 both ranks
+    agree on the step, write their shards of one torch.distributed.checkpoint, and the job requeues itself.
+    (Resuming, in the same and in another layout, is tests/test_fsdp_tp_pp.py's.)"""
+    text, step, nodes = signal_time_limit_and_wait_for_requeue(slurm_cluster, tmp_path, "fsdp_tp_pp", 4000)
+    assert "mesh=pp1xdp_replicate1xdp_shard2xtp1" in text and f"hosts={','.join(nodes)}" in text, text
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
+    assert (checkpoint / ".metadata").exists() and sorted(p.name for p in checkpoint.glob("*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"]
+
+
 def test_horovod_time_limit_signal_checkpoints_and_requeues(slurm_cluster, tmp_path):
     """slurm/horovod.sh on 2 nodes x 1 task, bare (.venv-tf): at SIGUSR1 the Horovod ranks agree on the step
     (an all-reduce max of what each received), rank 0 publishes one TensorFlow checkpoint, and the job
