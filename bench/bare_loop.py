@@ -29,10 +29,12 @@ def main() -> None:
                           ("n-layer", 2), ("n-head", 4), ("n-embd", 64)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--untie-embeddings", action="store_true", help="a separate output layer (the FSDP2/TP/PP recipe's)")
     args = p.parse_args()
 
     torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd))
+    model = GPT(GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd,
+                          tie_embeddings=not args.untie_embeddings))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     model.train()

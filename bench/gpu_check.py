@@ -1,8 +1,10 @@
-"""GPU check: tokens/s and MFU of a ~1.3B-parameter GPT: the DDP recipe (eager, torch.compile) and Megatron (TP=1).
+"""GPU check: tokens/s and MFU of a ~1.3B-parameter GPT: the DDP recipe (eager, torch.compile), Megatron (TP=1)
+and the PyTorch-native recipe (FSDP2 over every GPU; TP over the GPUs of the node), all bf16 and NCCL.
 
     python bench/gpu_check.py --out runs/gpu-check            # every GPU of this machine, one rank each
     python bench/gpu_check.py --out runs/gpu-check --nproc 1  # one GPU
     python bench/gpu_check.py --out runs/gpu-check --only megatron-tp1
+    python bench/gpu_check.py --out runs/gpu-check --only fsdp2 --only tp-node
     make gpu-check
 
 Run it on a GPU machine (a lent H200, a Perlmutter node: `srun -N 1 -G 4 --pty ...`). It writes
@@ -36,6 +38,10 @@ MODES = {
     "eager": ("ddp", MODEL),
     "compile": ("ddp", [*MODEL, "--compile"]),
     "megatron-tp1": ("megatron_tp_pp", MEGATRON_MODEL),
+    # recipes/fsdp_tp_pp: FSDP2 (bf16 parameters, fp32 reductions) over every GPU; then TP over them
+    # (its default under torchrun: TP = the ranks of the node). Untied head: slightly more parameters.
+    "fsdp2": ("fsdp_tp_pp", [*MODEL, "--tp", "1"]),
+    "tp-node": ("fsdp_tp_pp", MODEL),
 }
 
 

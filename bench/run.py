@@ -9,11 +9,11 @@
 This machine is shared and noisy, so absolute numbers mean little here: every figure that matters is a
 ratio of two measurements taken alternately (A, B, A, B, ...) in the same run, each process with one thread.
 Per-step throughput is the median over the steps after warm-up, from the step times the runs record.
-For each recipe (ddp, accelerate, deepspeed, megatron_tp_pp):
+For each recipe (ddp, accelerate, deepspeed, megatron_tp_pp, fsdp_tp_pp):
 
 - overhead:   the recipe on 1 process against a bare PyTorch loop on the same model, data, batch and
               optimizer (bench/bare_loop.py; bench/bare_megatron_loop.py for megatron-core's GPT)
-- scaling:    weak scaling 1 -> 2 gloo ranks (data parallel) at a fixed per-rank batch;
+- scaling:    weak scaling 1 -> 2 gloo ranks (data parallel; FSDP2 for fsdp_tp_pp) at a fixed per-rank batch;
               efficiency = t(1 rank)/t(2 ranks)
 - container:  the recipe bare against the same recipe in its cpu image (podman): start-up and throughput
 - mfu:        the recipe's MFU (6N + 12*L*d*T FLOPs per token against a matmul peak measured in the run)
@@ -56,6 +56,7 @@ class Subject:
     bare_loop: str
     gpt_options: bool  # the PyTorch recipes' GPT (--n-layer ...); otherwise Megatron-LM's names
     extra: tuple[str, ...] = ()
+    bare_extra: tuple[str, ...] = ()  # what the bare loop needs to build the same model
 
     @property
     def path(self) -> Path:
@@ -80,6 +81,9 @@ SUBJECTS = {
     "deepspeed": Subject("deepspeed", "deepspeed", "bare_loop.py", True, ("--zero-stage", "2")),
     # No clipping: the bare loop does not clip either.
     "megatron_tp_pp": Subject("megatron_tp_pp", "megatron", "bare_megatron_loop.py", False, ("--clip-grad", "0")),
+    # FSDP2 on 2 ranks in the scaling pair (TP 1: data parallel, as the other recipes' pair); its GPT is untied
+    # (a pipeline puts the embedding and the head on different stages).
+    "fsdp_tp_pp": Subject("fsdp_tp_pp", "ddp", "bare_loop.py", True, ("--tp", "1"), ("--untie-embeddings",)),
 }
 # Recipes not measured here yet, and why (tests/test_bench.py: every recipe is in one of the two tables).
 NOT_MEASURED = {
@@ -134,7 +138,7 @@ def recipe_run(subject: Subject, work: Path, name: str, args: list[str], nproc: 
 def bare_run(subject: Subject, work: Path, name: str, model_args: list[str], batch: int, steps: int) -> dict:
     out = work / f"{name}.json"
     wall = run([sys.executable, str(REPO / "bench" / subject.bare_loop), "--out", str(out), *model_args,
-                "--global-batch", str(batch), "--max-steps", str(steps)])
+                *subject.bare_extra, "--global-batch", str(batch), "--max-steps", str(steps)])
     history = json.loads(out.read_text())["history"]
     return {"wall_s": wall, "samples_per_s": steady_samples_per_s(history), "losses": [r["loss"] for r in history]}
 

@@ -62,7 +62,7 @@ def test_quick_benchmark_writes_json_figures_and_table(bench_images, tmp_path):
         pixels = matplotlib.image.imread(tmp_path / f"{figure}.png")
         assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0
     table = (tmp_path / "RESULTS.md").read_text()
-    assert "| measure | ddp | accelerate | deepspeed | megatron_tp_pp | target |" in table
+    assert "| measure | ddp | accelerate | deepspeed | megatron_tp_pp | fsdp_tp_pp | target |" in table
     assert f"{bench['recipes']['megatron_tp_pp']['overhead']['ratio']:.3f}" in table
 
 

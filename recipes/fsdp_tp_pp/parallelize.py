@@ -191,18 +191,35 @@ def apply_fsdp(stage: GPTStage, dp_mesh, param_dtype: torch.dtype | None, test_b
 
 
 def grad_norm(stages: list[GPTStage], pp_group) -> float:
-    """The global gradient norm (every parameter of every stage, full tensors): the same number in any layout
-    when the gradients are right; a wrong scale (a sum for a mean, micro-batches not averaged) shows at once."""
-    squares = torch.zeros((), dtype=torch.float64)
+    """The global gradient norm (every parameter of every stage): the same number in any layout when the
+    gradients are right; a wrong scale (a sum for a mean, micro-batches not averaged) shows at once.
+
+    Local sums of squares, summed over the mesh dimensions each gradient is sharded on (one all-reduce per
+    kind of sharding, not per parameter), then over the pipeline stages."""
+    device = next(stages[0].parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    sharded: dict[tuple, list] = {}  # (mesh id, placements) -> [mesh, placements, local sum of squares]
     for stage in stages:
         for param in stage.parameters():
-            if param.grad is not None:
-                norm = torch.linalg.vector_norm(param.grad.float())
-                squares += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+            grad = param.grad
+            if grad is None:
+                continue
+            if not isinstance(grad, DTensor):
+                total += grad.double().pow(2).sum()
+                continue
+            if any(placement.is_partial() for placement in grad.placements):
+                raise RuntimeError(f"a gradient with a partial placement {grad.placements}: not reduced yet")
+            entry = sharded.setdefault((id(grad.device_mesh), tuple(grad.placements)),
+                                       [grad.device_mesh, grad.placements, torch.zeros_like(total)])
+            entry[2] += grad.to_local().double().pow(2).sum()
+    for mesh, placements, squares in sharded.values():
+        for dim, placement in enumerate(placements):
+            if not placement.is_replicate():  # Shard, or FSDP2's _StridedShard over TP's shards
+                torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
+        total += squares
     if pp_group is not None:  # each PP rank holds other layers
-        squares = squares.to(next(stages[0].parameters()).device)
-        torch.distributed.all_reduce(squares, group=pp_group)
-    return float(squares) ** 0.5
+        torch.distributed.all_reduce(total, group=pp_group)
+    return float(total) ** 0.5
 
 
 def expected_mesh_dims(name: str, layout: Layout) -> tuple[str, ...]:

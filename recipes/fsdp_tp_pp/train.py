@@ -31,6 +31,7 @@ refused before any rank starts (--preflight N), one line each.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -255,6 +256,8 @@ def stage_spread(stages: list, mesh, layout: parallelize.Layout, pp_rank: int) -
     from torch.distributed.tensor import DTensor
 
     groups = [dist.new_group(mesh.mesh[p].flatten().tolist()) for p in range(layout.pp)]  # every rank makes all
+    # (gathering FSDP2 x TP's strided shards takes two all-gathers, which DTensor warns about: fine, once)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     full = [p.full_tensor() if isinstance(p, DTensor) else p.detach() for stage in stages for p in stage.parameters()]
     return harness.max_difference_across_ranks(full, layout.dp * layout.tp, group=groups[pp_rank])
 
