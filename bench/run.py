@@ -14,6 +14,8 @@ For each recipe (ddp, accelerate, deepspeed, megatron_tp_pp, fsdp_tp_pp):
 - overhead:   the recipe on 1 process against a bare PyTorch loop on the same model, data, batch and
               optimizer (bench/bare_loop.py; bench/bare_megatron_loop.py for megatron-core's GPT)
 - scaling:    weak scaling 1 -> 2 gloo ranks (data parallel; FSDP2 for fsdp_tp_pp) at a fixed per-rank batch;
+- pipeline:   (DeepSpeed) 2 ranks as 2 pipeline stages against the same 2 ranks data parallel, and against
+              the bare loop, on the same global batch;
               efficiency = t(1 rank)/t(2 ranks)
 - container:  the recipe bare against the same recipe in its cpu image (podman): start-up and throughput
 - mfu:        the recipe's MFU (6N + 12*L*d*T FLOPs per token against a matmul peak measured in the run)
@@ -57,6 +59,7 @@ class Subject:
     gpt_options: bool  # the PyTorch recipes' GPT (--n-layer ...); otherwise Megatron-LM's names
     extra: tuple[str, ...] = ()
     bare_extra: tuple[str, ...] = ()  # what the bare loop needs to build the same model
+    pipeline: tuple[str, ...] = ()  # the recipe's options for 2 pipeline stages, when it has a pipeline
 
     @property
     def path(self) -> Path:
@@ -78,7 +81,8 @@ class Subject:
 SUBJECTS = {
     "ddp": Subject("ddp", "ddp", "bare_loop.py", True),
     "accelerate": Subject("accelerate", "accelerate", "bare_loop.py", True),
-    "deepspeed": Subject("deepspeed", "deepspeed", "bare_loop.py", True, ("--zero-stage", "2")),
+    "deepspeed": Subject("deepspeed", "deepspeed", "bare_loop.py", True, ("--zero-stage", "2"),
+                         pipeline=("--pp", "2", "--zero-stage", "1", "--grad-accum", "2")),
     # No clipping: the bare loop does not clip either.
     "megatron_tp_pp": Subject("megatron_tp_pp", "megatron", "bare_megatron_loop.py", False, ("--clip-grad", "0")),
     # FSDP2 on 2 ranks in the scaling pair (TP 1: data parallel, as the other recipes' pair); its GPT is untied
@@ -189,6 +193,27 @@ def bench_scaling(subject: Subject, work: Path, model_args: list[str], per_rank_
             "threads_per_rank": 1, "losses_2_ranks": two[0]["losses"]}
 
 
+def bench_pipeline(subject: Subject, work: Path, model_args: list[str], batch: int, steps: int, repeats: int) -> dict:
+    """2 ranks as 2 pipeline stages against the same 2 ranks as data parallel, and against the bare loop (one
+    process), all on the same global batch (2 x batch): what the pipeline costs at this world size."""
+    args = [*model_args, *subject.batch_args(batch, 2), "--max-steps", str(steps)]
+    piped, data_parallel = paired(
+        lambda i: recipe_run(subject, work, f"{subject.recipe}-pipeline-{i}", [*args, *subject.pipeline], nproc=2),
+        lambda i: recipe_run(subject, work, f"{subject.recipe}-pipeline-dp-{i}", args, nproc=2), repeats)
+    bare = [bare_run(subject, work, f"{subject.recipe}-pipeline-bare-{i}", model_args, 2 * batch, steps)
+            for i in range(repeats)]
+    versus_dp = ratio_summary([r["samples_per_s"] for r in piped], [r["samples_per_s"] for r in data_parallel])
+    versus_bare = ratio_summary([r["samples_per_s"] for r in piped], [r["samples_per_s"] for r in bare])
+    return {"options": list(subject.pipeline), "ranks": 2, "global_batch": 2 * batch,
+            "ratio_to_data_parallel": versus_dp["ratio"], "ratios_to_data_parallel": versus_dp["ratios"],
+            "ratio_to_bare": versus_bare["ratio"], "ratios_to_bare": versus_bare["ratios"],
+            "samples_per_s_pipeline": [r["samples_per_s"] for r in piped],
+            "samples_per_s_data_parallel": [r["samples_per_s"] for r in data_parallel],
+            "samples_per_s_bare": [r["samples_per_s"] for r in bare],
+            # the pipeline trains what one process trains: else the comparison is void
+            "loss_max_rel_diff_to_bare": max_rel_diff(piped[0]["losses"], bare[0]["losses"])}
+
+
 def bench_container(subject: Subject, work: Path, model_args: list[str], batch: int, steps: int, repeats: int) -> dict:
     args = [*model_args, *subject.batch_args(batch, 1), "--max-steps", str(steps)]
     bare, boxed = paired(lambda i: recipe_run(subject, work, f"{subject.recipe}-container-bare-{i}", args),
@@ -213,6 +238,9 @@ def bench_recipe(subject: Subject, work: Path, quick: bool, repeats: int, steps:
                      "peak_source": recipe_runs[0]["peak_source"], "formula": "tokens/s * (6N + 12*L*d*T) / peak"}
     print(f"bench: {subject.recipe}: weak scaling 1 -> 2 ranks ...", flush=True)
     result["scaling"] = bench_scaling(subject, work, model_args, batch, steps, repeats)
+    if subject.pipeline:
+        print(f"bench: {subject.recipe}: pipeline of 2 stages vs data parallel on 2 ranks ...", flush=True)
+        result["pipeline"] = bench_pipeline(subject, work, model_args, batch, steps, repeats)
     if containers:
         print(f"bench: {subject.recipe}: container cost ({image_name(subject.image)}) ...", flush=True)
         result["container"] = bench_container(subject, work, model_args, batch, steps, repeats)
@@ -309,6 +337,9 @@ def markdown(results: dict) -> str:
          lambda r: f"{r['overhead']['ratio']:.3f}{spread(r['overhead']['ratios'])} {'' if r['overhead']['meets_target'] else '(below)'}"),
         ("weak scaling 1 → 2 ranks, efficiency t(1)/t(2)", "",
          lambda r: f"{r['scaling']['efficiency']:.3f}{spread(r['scaling']['efficiencies'])}"),
+        ("pipeline: PP 2 / data parallel 2 ranks throughput (same global batch)", "",
+         lambda r: f"{r['pipeline']['ratio_to_data_parallel']:.3f}{spread(r['pipeline']['ratios_to_data_parallel'])}"
+         if r.get("pipeline") else "–"),
         ("container: podman / bare throughput", "",
          lambda r: f"{r['container']['throughput_ratio']:.3f}{spread(r['container']['throughput_ratios'])}" if r.get("container") else "–"),
         ("container: podman / bare start-up time", "",

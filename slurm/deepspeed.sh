@@ -6,13 +6,18 @@
 #   sbatch -A <account> -q regular slurm/deepspeed.sh --zero-stage 3       # recipe arguments after the file
 #   CONTAINER_RUNTIME=podman-hpc sbatch -A <account> -q regular slurm/deepspeed.sh
 #   sbatch -N 4 slurm/deepspeed.sh --ds-config my_config.json --global-batch 256
+#   sbatch -N 4 slurm/deepspeed.sh --pp auto --grad-accum 8                 # pipeline: one stage per node, DP 4
+#
+# --pp N (or auto: one stage per node, so the activations cross Slingshot once per micro-batch and the
+# replicas of a stage stay in a node) runs DeepSpeed's pipeline engine with ZeRO stage 0 or 1 (1 unless
+# --zero-stage 0); --grad-accum is its micro-batches per step.
 #
 # One srun task per rank, as slurm/ddp.sh: no `deepspeed` launcher, no ssh/pdsh hostfile. The recipe
 # takes its rank from SLURM_* (recipes/harness/launch.py), and refuses DeepSpeed batch sizes that do not fit the
 # world size before any rank starts. Publish the image first (`make push-deepspeed REGISTRY=...`,
 # `shifterimg pull docker:<registry>/hpcml/deepspeed:cuda`) and put its name in the --image line.
 # Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit and preemption: as slurm/ddp.sh
-# (checkpoint, requeue, resume with the same ZeRO stage and layout). Check first:
+# (checkpoint, requeue, resume with the same ZeRO stage, --pp and layout). Check first:
 #   slurm/preflight.sh slurm/deepspeed.sh --zero-stage 3
 #SBATCH -J deepspeed
 #SBATCH -C gpu

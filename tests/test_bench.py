@@ -45,6 +45,11 @@ def test_quick_benchmark_writes_json_figures_and_table(bench_images, tmp_path):
         efficiencies = [two / 2 / one for one, two in zip(scaling["samples_per_s_1_rank"], scaling["samples_per_s_2_ranks"])]
         assert scaling["efficiencies"] == efficiencies and 0 < scaling["efficiency"] == statistics.median(efficiencies), name
 
+        if name == "deepspeed":  # its pipeline, against data parallel at the same 2 ranks and the bare loop
+            pipeline = measured["pipeline"]
+            pairs = [a / b for a, b in zip(pipeline["samples_per_s_pipeline"], pipeline["samples_per_s_data_parallel"])]
+            assert pipeline["ratios_to_data_parallel"] == pairs and pipeline["ratio_to_data_parallel"] == statistics.median(pairs)
+            assert pipeline["ratio_to_bare"] > 0 and pipeline["loss_max_rel_diff_to_bare"] < 1e-5
         container = measured["container"]
         assert container["throughput_ratios"] == [p / b for p, b in zip(container["samples_per_s_podman"], container["samples_per_s_bare"])]
         assert container["startup_ratios"] == [p / b for p, b in zip(container["startup_s_podman"], container["startup_s_bare"])]

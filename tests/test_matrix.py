@@ -42,7 +42,7 @@ IMAGE_PYTHON = "/opt/venv/bin/python3"
 PARALLEL_RUN = {
     "ddp": {"model_wrapper": "DistributedDataParallel", "launcher": "srun"},
     "accelerate": {"model_wrapper": "DistributedDataParallel", "launcher": "torchrun", "distributed_type": "MULTI_CPU"},
-    "deepspeed": {"model_wrapper": "DeepSpeedEngine", "launcher": "srun"},
+    "deepspeed": {"launcher": "srun"},  # (DeepSpeedEngine, or PipelineEngine with --pp: checked in the cell)
     "fsdp_tp_pp": {"launcher": "srun"},  # (its wrapper depends on the layout: the cell's layout is checked)
     "megatron_tp_pp": {"model_wrapper": "DistributedDataParallel", "launcher": "srun", "cpu_placement_shim": True},
     "horovod": {"model_wrapper": "DistributedGradientTape", "launcher": "srun (gloo controller, rendezvous on rank 0)",
@@ -89,6 +89,9 @@ def reference_args(recipe: str, args: list[str], world: int) -> tuple[str, ...]:
                 "--lr", str(float(value("--lr", "1e-3")) * world))
     if recipe == "tf_mirrored":
         return (*args, "--devices", "1")
+    if recipe == "deepspeed" and "--pp" in args:  # the same model and batch on one process, no pipeline
+        at = args.index("--pp")
+        return (*args[:at], *args[at + 2:])
     if recipe == "fsdp_tp_pp":  # the same model and batch, none of the layout (slurm/fsdp_tp_pp.sh adds --tp)
         layout_options = {"--pp", "--tp", "--dp-shard", "--dp-replicate", "--micro-batches", "--pp-schedule", "--pp-virtual"}
         kept = [a for i, a in enumerate(args) if a not in layout_options and (i == 0 or args[i - 1] not in layout_options)]
@@ -158,6 +161,8 @@ def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
         assert metrics["replicas"] == cell["devices_per_task"] and metrics["model_wrapper"] == "MirroredStrategy"
     if "--zero-stage" in args:
         assert metrics["zero_stage"] == int(args[args.index("--zero-stage") + 1])
+    if recipe == "deepspeed":
+        assert metrics["model_wrapper"] == ("PipelineEngine" if "--pp" in args else "DeepSpeedEngine"), metrics
     # Each rank's host, against the nodes Slurm recorded for the job (block distribution: rank r on node
     # r // tasks_per_node), whichever nodes those were.
     nodes = job_nodes(job)

@@ -182,13 +182,13 @@ def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_laun
 
 
 def signal_time_limit_and_wait_for_requeue(cluster: dict, tmp_path: Path, recipe: str, max_steps: int,
-                                           **env: str) -> tuple[str, int, list[str]]:
+                                           extra_args: tuple[str, ...] = (), **env: str) -> tuple[str, int, list[str]]:
     """Submit slurm/<recipe>.sh on 2 nodes x 1 task, send SIGUSR1 once step 10 is logged (what
     '#SBATCH --signal=USR1@T' does), wait for the job to requeue itself, then cancel it. Returns the log,
     the step the ranks stopped after (checked to lie between 10 and max_steps) and the nodes Slurm ran it on."""
     job = submit_recipe(cluster, tmp_path, recipe, "-N", "2", "--ntasks-per-node", "1",
                         recipe_args=["--seq-len", "32", "--max-steps", str(max_steps), "--checkpoint-every", "0",
-                                     "--log-every", "10"], **env)[1]
+                                     "--log-every", "10", *extra_args], **env)[1]
     log_path = tmp_path / f"{recipe}-{job}.out"
     log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
     wait_for(lambda: re.search(rf"^\[{recipe}\] step +10 ", log(), re.M), 180, "training to start")
@@ -227,6 +227,22 @@ def test_fsdp_tp_pp_time_limit_signal_writes_a_dcp_checkpoint_of_every_shard(slu
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
     assert (checkpoint / ".metadata").exists() and sorted(p.name for p in checkpoint.glob("*.distcp")) == \
         ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_deepspeed_pipeline_time_limit_signal_checkpoints_every_stage_and_requeues(slurm_cluster, tmp_path):
+    """slurm/deepspeed.sh --pp auto on 2 nodes x 1 task (one pipeline stage per node): at SIGUSR1 both stages
+    agree on the step, write DeepSpeed's pipeline checkpoint (a file per layer) and the job requeues itself.
+    (Resuming it is tests/test_deepspeed_pipeline.py's.)"""
+    text, step, nodes = signal_time_limit_and_wait_for_requeue(slurm_cluster, tmp_path, "deepspeed", 4000,
+                                                               ("--pp", "auto"))
+    assert "PP=2 DP=1" in text and f"hosts={','.join(nodes)}" in text, text
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["pp"] == 2
+    # a file per layer with parameters (embedding, 2 blocks, final norm; the head is the tied embedding), and
+    # one model and one optimizer file per stage
+    assert sorted(p.name for p in checkpoint.glob("layer_*-model_states.pt")) == \
+        [f"layer_{i:02d}-model_states.pt" for i in range(4)]
+    assert len(list(checkpoint.glob("zero_pp_rank_0_mp_rank_*_optim_states.pt"))) == 2
 
 
 def test_horovod_time_limit_signal_checkpoints_and_requeues(slurm_cluster, tmp_path):

@@ -1,7 +1,10 @@
-"""DeepSpeed ZeRO: the DDP recipe's GPT and data, trained by a ``deepspeed.initialize`` engine, ZeRO stage 0-3.
+"""DeepSpeed ZeRO and pipeline parallelism: the DDP recipe's GPT and data, trained by a DeepSpeed engine.
 
 ZeRO shards what DDP replicates: stage 1 the optimizer state, stage 2 also the gradients, stage 3 also the
-parameters. The training is the same at every stage: each must give the loss curve of one process.
+parameters. With --pp N the GPT becomes a ``PipelineModule`` of N stages (recipes/deepspeed/pipeline.py)
+trained by DeepSpeed's pipeline engine, world = PP x DP, with ZeRO stage 0 or 1 (DeepSpeed runs no higher
+stage with a pipeline; --pp defaults to 1). The training is the same in every layout: each must give the
+loss curve of one process.
 
     # one process (the reference every parallel run is checked against)
     python recipes/deepspeed/train.py --zero-stage 0
@@ -12,16 +15,23 @@ parameters. The training is the same at every stage: each must give the loss cur
     # under Slurm: one srun task per rank (no ssh/pdsh hostfile launcher), rank layout from SLURM_* variables
     srun -N 2 --ntasks-per-node=4 python recipes/deepspeed/train.py --zero-stage 2
 
-    # on Perlmutter (2 nodes x 4 A100), or on any Slurm cluster
+    # pipeline: 2 stages x 2 data-parallel replicas, 4 micro-batches per step, ZeRO-1
+    torchrun --standalone --nproc_per_node=4 recipes/deepspeed/train.py --pp 2 --grad-accum 4
+
+    # on Perlmutter (2 nodes x 4 A100), or on any Slurm cluster; --pp auto: one stage per node
     sbatch slurm/deepspeed.sh --zero-stage 3
+    sbatch slurm/deepspeed.sh --pp auto --grad-accum 8
 
 The DeepSpeed config is recipes/deepspeed/ds_config.json (or --ds-config FILE). "auto" values are filled
 in here: train_batch_size from --global-batch, bf16 on GPU and fp32 on CPU. --zero-stage, --global-batch,
 --grad-accum and --lr override the file. gradient_clipping is 0 in the file on purpose: DeepSpeed's default
 (1.0) clips, which a plain PyTorch loop does not. The optimizer is torch's AdamW ("torch_adam": true), so
 no op is compiled at start-up. Batch sizes that do not fit the world size are refused before any rank
-starts, with the numbers. Checkpoints are DeepSpeed's (every rank writes its shard) in
-OUT_DIR/checkpoints/step_N; a rerun with the same --out-dir resumes; SIGUSR1/SIGTERM checkpoint and stop.
+starts, with the numbers; with --pp the batch is micro x --grad-accum (the micro-batches) x DP.
+Checkpoints are DeepSpeed's (every rank writes its shard; the pipeline one file per layer) in
+OUT_DIR/checkpoints/step_N; a rerun with the same --out-dir resumes (in the same layout: the optimizer
+state is cut for it); SIGUSR1/SIGTERM checkpoint and stop. --optimizer sgd trains with plain SGD instead of
+the config's AdamW: the parity tests use it (a wrong gradient scale changes SGD's curve; Adam hides it).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the harness and the model
 import harness  # noqa: E402
+import pipeline  # noqa: E402  (next to this file)
 from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "deepspeed"
@@ -57,12 +68,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=None,
                    help="micro-batches per optimizer step on each rank (default: the config's, or 1)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
+    p.add_argument("--pp", default="1", help="pipeline stages (a number, or auto: one per node); micro-batches: --grad-accum")
+    p.add_argument("--optimizer", choices=["config", "sgd"], default="config",
+                   help="sgd: plain torch SGD at --lr instead of the config's optimizer (the parity tests use it)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="--pp: recompute each layer in backward")
     p.add_argument("--skip-grad-allreduce", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: skip the gradient averaging (ZeRO 0/1; the parity check's negative control)")
+                   help="TESTS ONLY, wrong on purpose: skip the gradient averaging over DP (ZeRO 0/1; a negative control)")
+    p.add_argument("--test-last-microbatch-loss", action="store_true",
+                   help="TESTS ONLY, wrong on purpose: --pp trains on the last micro-batch's loss only (a negative control)")
     return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True)
 
 
-def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool) -> dict:
+def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool, pp: int = 1) -> dict:
     """The DeepSpeed config this run uses: the file, the command line on top, "auto" filled in, all checked.
 
     DeepSpeed's own checks fire inside deepspeed.initialize, after the process group formed, as assertion
@@ -79,12 +96,17 @@ def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool) -
         raise harness.ConfigError(f"--ds-config {path} is not a DeepSpeed config (a JSON object)")
 
     zero = config.setdefault("zero_optimization", {})
-    stage = args.zero_stage if args.zero_stage is not None else zero.get("stage", 0)
+    stage = args.zero_stage if args.zero_stage is not None else (1 if pp > 1 else zero.get("stage", 0))
     source = "--zero-stage" if args.zero_stage is not None else f"zero_optimization.stage in {path}"
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise harness.ConfigError(f"{source} is {stage!r}: ZeRO stages are 0 (plain data parallel), 1 (optimizer "
                                  "state sharded), 2 (+ gradients) and 3 (+ parameters)")
+    if pp > 1 and stage > 1:
+        raise harness.ConfigError(f"--zero-stage {stage} with --pp {pp}: DeepSpeed's pipeline engine runs ZeRO stage 0 "
+                                  "or 1 only (leave --zero-stage out: --pp uses 1)")
     zero["stage"] = stage
+    world_size //= pp  # the batch is split over the data-parallel ranks; the stages share their rows
+    ranks = "ranks" if pp == 1 else "DP ranks"
 
     def integer(key: str, value) -> int | None:
         if value is None or value == "auto":
@@ -103,14 +125,14 @@ def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool) -
     if file_micro and file_micro * accum * world_size != batch:
         raise harness.ConfigError(
             f"train_micro_batch_size_per_gpu {file_micro} in {path} x gradient_accumulation_steps {accum} x "
-            f"{world_size} ranks = {file_micro * accum * world_size}, not the train_batch_size {batch}; "
+            f"{world_size} {ranks} = {file_micro * accum * world_size}, not the train_batch_size {batch}; "
             "remove train_micro_batch_size_per_gpu from the file (it is derived) or make the product match"
         )
     if batch % (accum * world_size):
         rows = accum * world_size
         raise harness.ConfigError(
             f"train_batch_size {batch} is not divisible by gradient_accumulation_steps {accum} x {world_size} "
-            f"ranks = {rows}; use a multiple of {rows} (e.g. --global-batch {-(-batch // rows) * rows})"
+            f"{ranks} = {rows}; use a multiple of {rows} (e.g. --global-batch {-(-batch // rows) * rows})"
         )
     config.update(train_batch_size=batch, gradient_accumulation_steps=accum,
                   train_micro_batch_size_per_gpu=batch // (accum * world_size))
@@ -123,6 +145,9 @@ def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool) -
         optimizer["params"]["lr"] = args.lr
     if not optimizer["params"]["lr"] > 0:
         raise harness.ConfigError(f"the learning rate must be positive, got {optimizer['params']['lr']}")
+    if args.optimizer == "sgd":  # the recipe passes torch's SGD to deepspeed.initialize (a "client" optimizer)
+        config["client_sgd_lr"] = config.pop("optimizer")["params"]["lr"]
+        config["zero_allow_untested_optimizer"] = True
     bf16 = config.setdefault("bf16", {})
     if bf16.get("enabled", False) == "auto":
         bf16["enabled"] = on_gpu  # fp32 on CPU: bf16 matmuls there are slow and the parity tests compare fp32
@@ -131,18 +156,42 @@ def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool) -
     return config
 
 
-def validate(args: argparse.Namespace, world_size: int, on_gpu: bool) -> dict:
-    """Everything that can be checked before ranks start talking to each other; the resolved DeepSpeed config."""
+def pipeline_stages(args: argparse.Namespace, world_size: int) -> int:
+    """--pp as a number of stages (auto: one per node of the job), checked against the world and the layers."""
+    text = str(args.pp)
+    pp = (harness.nodes_in_job() or 1) if text == "auto" else int(text) if text.isdigit() else 0
+    if pp < 1:
+        raise harness.ConfigError(f"--pp must be a number of stages or auto (one per node), got {text!r}")
+    if world_size % pp:
+        raise harness.ConfigError(f"world size {world_size} is not divisible by --pp {pp}: launch a multiple of {pp} "
+                                  "ranks, or change --pp")
+    if args.n_layer % pp:
+        raise harness.ConfigError(f"--n-layer {args.n_layer} is not divisible by --pp {pp}: every stage gets the "
+                                  "same number of blocks")
+    return pp
+
+
+def validate(args: argparse.Namespace, world_size: int, on_gpu: bool) -> tuple[dict, int]:
+    """Everything that can be checked before ranks start talking to each other: the resolved DeepSpeed
+    config and the pipeline stages."""
     harness.validate_run(args, world_size)
-    ds_config = resolve_ds_config(args, world_size, on_gpu)
+    pp = pipeline_stages(args, world_size)
+    ds_config = resolve_ds_config(args, world_size, on_gpu, pp)
     stage, accum = ds_config["zero_optimization"]["stage"], ds_config["gradient_accumulation_steps"]
-    if args.skip_grad_allreduce and (stage > 1 or accum != 1):
-        raise harness.ConfigError("--skip-grad-allreduce needs --zero-stage 0 or 1 and --grad-accum 1")
-    return ds_config
+    if args.skip_grad_allreduce and (stage > 1 or (accum != 1 and pp == 1) or world_size == pp):
+        raise harness.ConfigError("--skip-grad-allreduce needs data parallelism, --zero-stage 0 or 1 and "
+                                  "(without --pp) --grad-accum 1")
+    if args.test_last_microbatch_loss and (pp == 1 or accum == 1):
+        raise harness.ConfigError("--test-last-microbatch-loss needs --pp 2 or more and --grad-accum 2 or more")
+    return ds_config, pp
 
 
-def check_resumable(resume_from: Path | None, state: dict | None, stage: int, world_size: int) -> None:
-    """A sharded optimizer state is cut for one stage and one number of ranks."""
+def check_resumable(resume_from: Path | None, state: dict | None, stage: int, world_size: int, pp: int) -> None:
+    """A sharded optimizer state is cut for one stage and one number of ranks; a pipeline checkpoint for one
+    number of stages (DeepSpeed reloads its layer files, not its per-stage optimizer state, in another)."""
+    if state and state.get("pp", 1) != pp:
+        raise harness.ConfigError(f"{resume_from} was written by {state.get('pp', 1)} pipeline stage(s); this run has "
+                                  f"--pp {pp}: resume with the same --pp, or use --no-resume")
     if state and (state["zero_stage"] != stage or (stage > 0 and state["world_size"] != world_size)):
         raise harness.ConfigError(
             f"{resume_from} holds ZeRO-{state['zero_stage']} shards of {state['world_size']} ranks; this run is "
@@ -155,15 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg = GPTConfig.from_args(args)
     on_gpu = torch.cuda.is_available()
     world_size = args.preflight if args.preflight is not None else harness.detect_dist_env().world_size
-    ds_config = validate(args, world_size, on_gpu)
+    ds_config, pp = validate(args, world_size, on_gpu)
     stage, accum = ds_config["zero_optimization"]["stage"], ds_config["gradient_accumulation_steps"]
     global_batch, micro_rows = ds_config["train_batch_size"], ds_config["train_micro_batch_size_per_gpu"]
+    sgd_lr, dp = ds_config.pop("client_sgd_lr", None), world_size // pp
     must_match = {"model_cfg": asdict(model_cfg), "global_batch": global_batch}  # to resume a checkpoint
     resume_from, trainer_state = harness.resume_dir(args, must_match)
-    check_resumable(resume_from, trainer_state, stage, world_size)
+    check_resumable(resume_from, trainer_state, stage, world_size, pp)
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
-        return harness.preflight_line(RECIPE, f"ZeRO-{stage}, batch {global_batch} = {micro_rows} x {accum} x "
-                                      f"{world_size} ranks", resume_from)
+        return harness.preflight_line(RECIPE, f"ZeRO-{stage}, PP {pp} x DP {dp}, batch {global_batch} = {micro_rows} x "
+                                      f"{accum} x {dp} {'ranks' if pp == 1 else 'DP ranks'}", resume_from)
     env = harness.detect_dist_env()
     harness.check_expected_world_size(env.world_size)
 
@@ -176,20 +226,36 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines would bury ours
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates: one warning per call, every step.
     warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+    # Its pipeline broadcasts the tied embedding with an op torch has no autograd kernel for: warned per rank.
+    warnings.filterwarnings("ignore", r"c10d::broadcast_: an autograd kernel was not registered", UserWarning)
     dtype = torch.bfloat16 if ds_config["bf16"].get("enabled") else torch.float32
 
-    # ---- model: same seed on every rank; the engine owns the optimizer, the sharding and the reductions
-    torch.manual_seed(args.seed)
-    raw_model = GPT(model_cfg)
-    size = raw_model.size()  # before the engine takes the parameters (ZeRO-3 replaces them by shards)
-    engine, _, _, _ = deepspeed.initialize(model=raw_model, model_parameters=raw_model.parameters(), config=ds_config)
+    # ---- model: same seed on every rank (the pipeline: each stage its layers of the same GPT); the engine
+    # owns the optimizer, the sharding and the reductions
+    if pp > 1:
+        deepspeed.init_distributed(dist_backend=backend)  # the pipeline's process topology needs DeepSpeed's comm
+        loss_fn = pipeline.LastMicroBatchOnly(accum) if args.test_last_microbatch_loss else pipeline.cross_entropy
+        model, size = pipeline.build(model_cfg, pp, args.seed, args.activation_checkpointing, loss_fn)
+    else:
+        torch.manual_seed(args.seed)
+        model = GPT(model_cfg)
+        size = model.size()  # before the engine takes the parameters (ZeRO-3 replaces them by shards)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    client_optimizer = torch.optim.SGD(parameters, lr=sgd_lr) if sgd_lr else None
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, optimizer=client_optimizer,
+                                           config=ds_config)
     # Frameworks fall back to no parallelism silently: check from inside what DeepSpeed built.
-    assert isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_stage() == stage
-    assert engine.world_size == env.world_size == dist.get_world_size(), (engine.world_size, env.world_size)
+    assert isinstance(engine, deepspeed.PipelineEngine if pp > 1 else deepspeed.DeepSpeedEngine)
+    assert engine.zero_optimization_stage() == stage and engine.world_size == env.world_size == dist.get_world_size()
+    if pp > 1:
+        assert engine.num_stages == pp and engine.grid.get_data_parallel_world_size() == dp
+        if args.skip_grad_allreduce:  # TESTS ONLY: the replicas of a stage never average their gradients
+            engine.pipeline_enable_backward_allreduce = False
+    dp_rank = engine.grid.get_data_parallel_rank() if pp > 1 else env.rank
     engine.train()
     if is_rank0:  # the layout the engine formed
         print(f"[{RECIPE}] world_size={engine.world_size} backend={backend} device={device.type} ZeRO-{stage} "
-              f"dtype={dtype} batch={global_batch} (micro {micro_rows} x accum {accum} x {env.world_size} ranks) "
+              f"PP={pp} DP={dp} dtype={dtype} batch={global_batch} (micro {micro_rows} x accum {accum} x {dp}) "
               f"launcher={env.launcher} hosts={','.join(hostnames)}", flush=True)
 
     checkpoint_dir = args.out_dir / "checkpoints"
@@ -200,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
-    run_info = {**harness.describe_run(env, backend, device, type(engine).__name__, dp=env.world_size),
+    run_info = {**harness.describe_run(env, backend, device, type(engine).__name__, pp=pp, dp=dp),
                 "deepspeed_version": deepspeed.__version__, "zero_stage": stage, "grad_accum": accum,
                 "ds_config": ds_config, "dtype": str(dtype), "hostnames": hostnames}
     metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=env.world_size,
@@ -210,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         harness.save_sharded_checkpoint(
             checkpoint_dir, step, lambda staging: engine.save_checkpoint(str(checkpoint_dir), tag=staging.name,
                                                                          save_latest=False),
-            {"history": metrics.history, **must_match, "zero_stage": stage, "world_size": env.world_size},
+            {"history": metrics.history, **must_match, "zero_stage": stage, "world_size": env.world_size, "pp": pp},
             writes_state=is_rank0, is_rank0=is_rank0, barrier=dist.barrier)
         metrics.write()
 
@@ -218,7 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     for step in run.steps():
-        inputs, targets = data.local_batch(step, global_batch, env.rank, env.world_size)
+        inputs, targets = data.local_batch(step, global_batch, dp_rank, dp)
+        if pp > 1:  # the engine runs the micro-batches through the stages (its 1F1B schedule), then steps
+            micro = [(inputs[i:i + micro_rows].to(device), targets[i:i + micro_rows].to(device))
+                     for i in range(0, len(inputs), micro_rows)]
+            loss = float(engine.train_batch(data_iter=iter(micro)))  # mean over micro-batches and DP, every stage
+            metrics.log_step(step, loss, global_batch, run.step_time(), engine.get_lr()[0])
+            if run.step_done(step, save):
+                break
+            continue
         step_loss = torch.zeros((), device=device)
         for micro in range(accum):
             rows = slice(micro * micro_rows, (micro + 1) * micro_rows)
@@ -234,11 +308,12 @@ def main(argv: list[str] | None = None) -> int:
             break
     run.save_last(save)
 
-    # ---- prove from inside the run that the ranks really trained one model together (ZeRO-3: the
-    # parameters are shards; gather the full ones first)
+    # ---- prove from inside the run that the replicas really trained one model together (ZeRO-3: the
+    # parameters are shards, gathered first; the pipeline: the DP replicas of each stage)
     parameters = list(engine.module.parameters())
+    group = engine.grid.get_data_parallel_group() if pp > 1 else None
     with deepspeed.zero.GatheredParameters(parameters, enabled=stage == 3):
-        spread = harness.max_difference_across_ranks(parameters, env.world_size)
+        spread = harness.max_difference_across_ranks(parameters, dp, group=group)
     exit_code = run.finish(metrics, spread)
     engine.destroy()  # the engine holds the process group: drop it before leaving the group
     del engine

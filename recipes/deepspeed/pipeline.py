@@ -1,0 +1,81 @@
+"""The stack's GPT as a DeepSpeed ``PipelineModule`` (the recipe's --pp path): embedding, blocks, final norm
+and head as ``LayerSpec``s, the token embedding tied to the head across the first and last stage with a
+``TiedLayerSpec`` (DeepSpeed all-reduces the tied gradient between them), blocks balanced over the stages.
+
+``build`` makes it and gives each stage the weights the one-process GPT has (the full model is built from
+the seed on every rank and each stage copies its layers by global index), so any PP x DP layout is
+comparable with one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+from gpt import GPT, Block, GPTConfig, cross_entropy
+
+TIED = "tied_modules.embed."  # where PipelineModule puts the tied embedding's parameters
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.n_embd)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+
+def tied_head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The output layer: the token embedding's weight, transposed (GPT-2's tying, as recipes/gpt.py)."""
+    return x @ embedding.tok_emb.weight.t()
+
+
+class LastMicroBatchOnly:
+    """TESTS ONLY, wrong on purpose: only the last micro-batch of each step gives gradients (the others report
+    their true loss, detached), as a pipeline that kept only the last micro-batch's loss would train."""
+
+    def __init__(self, micro_batches: int):
+        self.micro_batches, self.calls = micro_batches, 0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        loss = cross_entropy(logits, targets)
+        return loss if self.calls % self.micro_batches == 0 else loss.detach() + 0.0 * loss
+
+
+def build(cfg: GPTConfig, stages: int, seed: int, activation_checkpointing: bool,
+          loss_fn=cross_entropy) -> tuple[PipelineModule, tuple[int, float]]:
+    """The pipeline of ``stages`` stages, this rank's layers holding the one-process GPT's weights; and the
+    whole model's (parameters, FLOPs per token)."""
+    layers = [TiedLayerSpec("embed", Embedding, cfg, tied_weight_attr="tok_emb.weight"),
+              *[LayerSpec(Block, cfg) for _ in range(cfg.n_layer)],
+              LayerSpec(FinalNorm, cfg),
+              TiedLayerSpec("embed", Embedding, cfg, forward_fn=tied_head, tied_weight_attr="tok_emb.weight")]
+    module = PipelineModule(layers=layers, num_stages=stages, loss_fn=loss_fn, partition_method="type:Block",
+                            activation_checkpoint_interval=1 if activation_checkpointing else 0)
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    full = model.state_dict()
+    module.load_state_dict({name: full[full_name(name, cfg.n_layer)] for name in module.state_dict()})
+    return module, model.size()
+
+
+def full_name(name: str, n_layer: int) -> str:
+    """A PipelineModule parameter's name in recipes/gpt.py's GPT: layer 0 is the embedding, 1..L the blocks,
+    L + 1 the final norm (the head reuses the tied embedding)."""
+    if name.startswith(TIED):
+        return name[len(TIED):]
+    index, rest = name.split(".", 1)
+    return rest if int(index) == n_layer + 1 else f"blocks.{int(index) - 1}.{rest}"
