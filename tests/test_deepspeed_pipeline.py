@@ -49,7 +49,8 @@ def reference(tmp_path_factory):
     (2, ["--pp", "2", "--grad-accum", "2"], 1),
     (4, ["--pp", "2", "--grad-accum", "2", "--zero-stage", "0"], 0),
     (4, ["--pp", "2", "--grad-accum", "2"], 1),
-], ids=["pp2", "pp2xdp2", "pp2xzero1xdp2"])
+    (2, ["--pp", "2", "--grad-accum", "2", "--partition-method", "parameters", "--activation-checkpointing"], 1),
+], ids=["pp2", "pp2xdp2", "pp2xzero1xdp2", "pp2-by-parameters-recomputed"])
 def test_pipeline_layout_matches_one_process(ranks, options, stage, reference, tmp_path):
     result = train(tmp_path, ranks, *SGD, *options)
     assert_ok(result)

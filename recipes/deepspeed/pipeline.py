@@ -1,6 +1,7 @@
 """The stack's GPT as a DeepSpeed ``PipelineModule`` (the recipe's --pp path): embedding, blocks, final norm
 and head as ``LayerSpec``s, the token embedding tied to the head across the first and last stage with a
-``TiedLayerSpec`` (DeepSpeed all-reduces the tied gradient between them), blocks balanced over the stages.
+``TiedLayerSpec`` (DeepSpeed all-reduces the tied gradient between them), cut into stages by DeepSpeed's
+``partition_method`` (default ``type:Block``: the same number of blocks per stage).
 
 ``build`` makes it and gives each stage the weights the one-process GPT has (the full model is built from
 the seed on every rank and each stage copies its layers by global index), so any PP x DP layout is
@@ -55,7 +56,7 @@ class LastMicroBatchOnly:
         return loss if self.calls % self.micro_batches == 0 else loss.detach() + 0.0 * loss
 
 
-def build(cfg: GPTConfig, stages: int, seed: int, activation_checkpointing: bool,
+def build(cfg: GPTConfig, stages: int, seed: int, partition_method: str, activation_checkpointing: bool,
           loss_fn=cross_entropy) -> tuple[PipelineModule, tuple[int, float]]:
     """The pipeline of ``stages`` stages, this rank's layers holding the one-process GPT's weights; and the
     whole model's (parameters, FLOPs per token)."""
@@ -63,8 +64,11 @@ def build(cfg: GPTConfig, stages: int, seed: int, activation_checkpointing: bool
               *[LayerSpec(Block, cfg) for _ in range(cfg.n_layer)],
               LayerSpec(FinalNorm, cfg),
               TiedLayerSpec("embed", Embedding, cfg, forward_fn=tied_head, tied_weight_attr="tok_emb.weight")]
-    module = PipelineModule(layers=layers, num_stages=stages, loss_fn=loss_fn, partition_method="type:Block",
-                            activation_checkpoint_interval=1 if activation_checkpointing else 0)
+    module = PipelineModule(layers=layers, num_stages=stages, loss_fn=loss_fn, partition_method=partition_method,
+                            activation_checkpoint_interval=1 if activation_checkpointing else 0,
+                            # (the embedding takes integer tokens: nothing to recompute there, and DeepSpeed's
+                            # checkpoint function wants inputs that require a gradient)
+                            checkpointable_layers=["Block"])
     torch.manual_seed(seed)
     model = GPT(cfg)
     full = model.state_dict()

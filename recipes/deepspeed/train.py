@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", default="1", help="pipeline stages (a number, or auto: one per node); micro-batches: --grad-accum")
     p.add_argument("--optimizer", choices=["config", "sgd"], default="config",
                    help="sgd: plain torch SGD at --lr instead of the config's optimizer (the parity tests use it)")
+    p.add_argument("--partition-method", choices=["type:Block", "parameters", "uniform"], default="type:Block",
+                   help="--pp: how DeepSpeed cuts the layers into stages (type:Block: the same blocks per stage)")
     p.add_argument("--activation-checkpointing", action="store_true", help="--pp: recompute each layer in backward")
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: skip the gradient averaging over DP (ZeRO 0/1; a negative control)")
@@ -165,7 +167,7 @@ def pipeline_stages(args: argparse.Namespace, world_size: int) -> int:
     if world_size % pp:
         raise harness.ConfigError(f"world size {world_size} is not divisible by --pp {pp}: launch a multiple of {pp} "
                                   "ranks, or change --pp")
-    if args.n_layer % pp:
+    if args.n_layer % pp and args.partition_method == "type:Block":
         raise harness.ConfigError(f"--n-layer {args.n_layer} is not divisible by --pp {pp}: every stage gets the "
                                   "same number of blocks")
     return pp
@@ -235,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     if pp > 1:
         deepspeed.init_distributed(dist_backend=backend)  # the pipeline's process topology needs DeepSpeed's comm
         loss_fn = pipeline.LastMicroBatchOnly(accum) if args.test_last_microbatch_loss else pipeline.cross_entropy
-        model, size = pipeline.build(model_cfg, pp, args.seed, args.activation_checkpointing, loss_fn)
+        model, size = pipeline.build(model_cfg, pp, args.seed, args.partition_method, args.activation_checkpointing,
+                                     loss_fn)
     else:
         torch.manual_seed(args.seed)
         model = GPT(model_cfg)
