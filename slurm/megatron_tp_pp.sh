@@ -36,10 +36,6 @@ set -euo pipefail
 source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
     { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
 
-# Ranks per node: SLURM_NTASKS_PER_NODE is set with --ntasks-per-node only; SLURM_TASKS_PER_NODE ("4(x2)",
-# or "4(x2),3" when uneven: the preflight then refuses the layout) in every job. TP 1 if neither says.
-ranks_per_node=${SLURM_NTASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-1}}
-ranks_per_node=${ranks_per_node%%[(,]*}
 RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/megatron_tp_pp-$SLURM_JOB_ID}
-launch_recipe recipes/megatron_tp_pp/train.py --tp "$ranks_per_node" --pp "${SLURM_JOB_NUM_NODES:-1}" \
+launch_recipe recipes/megatron_tp_pp/train.py --tp "$(ranks_per_node)" --pp "${SLURM_JOB_NUM_NODES:-1}" \
     --out-dir "$RUN_DIR" "$@"

@@ -54,6 +54,24 @@ def run_torchrun(out_dir: Path, nproc: int, *args: str, timeout: float = 300) ->
     return run(cmd, env=recipe_env(), timeout=timeout)
 
 
+def run_recipe(recipe: Path, out_dir: Path, nproc: int, *args: str, timeout: float = 300, **env: str):
+    """``recipe`` as one plain process (nproc 1) or under torchrun with ``nproc`` ranks on this machine."""
+    cmd = [sys.executable, str(recipe)] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", str(recipe)]
+    return run([*cmd, "--out-dir", str(out_dir), *args], env=recipe_env(**env), timeout=timeout)
+
+
+def assert_preflight_refuses(recipe: Path, out_dir: Path, world: int, args: list[str], message: str) -> None:
+    """``recipe --preflight WORLD`` (what slurm/lib/launch.sh runs before any rank starts) must answer exit 2
+    and one line, "[<recipe>] error: ...", containing ``message``."""
+    result = run([sys.executable, str(recipe), "--out-dir", str(out_dir), *args, "--preflight", str(world)],
+                 env=recipe_env(), timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"[{recipe.parent.name}] error: ") and message in lines[0], lines[0]
+
+
 def read_metrics(out_dir: Path) -> dict:
     return json.loads((out_dir / "metrics.json").read_text())
 

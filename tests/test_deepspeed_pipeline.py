@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, assert_ok, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
+from conftest import REPO, assert_ok, assert_preflight_refuses, losses, max_relative_difference, read_metrics, recipe_env, run, run_recipe
 
 RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 MODEL = ["--seq-len", "32", "--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--global-batch", "8"]
@@ -27,13 +27,7 @@ RTOL = 1e-5
 
 
 def train(out_dir, nproc: int, *args: str):
-    if nproc == 1:
-        cmd = [sys.executable, str(RECIPE)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(RECIPE)]
-    return run([*cmd, "--out-dir", str(out_dir), *args], env=recipe_env(HPCML_EXPECTED_WORLD_SIZE=str(nproc)),
-               timeout=300)
+    return run_recipe(RECIPE, out_dir, nproc, *args, HPCML_EXPECTED_WORLD_SIZE=str(nproc))
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +92,4 @@ def test_resume_in_the_same_layout_matches_the_uninterrupted_run(tmp_path):
     (2, ["--pp", "two"], "--pp must be a number of stages or auto"),
 ])
 def test_bad_pipeline_layout_is_refused_before_any_rank_starts(world, options, message, tmp_path):
-    result = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), *MODEL, *options, "--preflight", str(world)],
-                 env=recipe_env(), timeout=120)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[deepspeed] error: "), result.stderr
-    assert message in lines[0]
+    assert_preflight_refuses(RECIPE, tmp_path, world, [*MODEL, *options], message)

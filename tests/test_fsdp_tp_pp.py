@@ -17,11 +17,10 @@ optimizer state (--test-resume-without-optimizer) must be caught, by 100x.
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
-from conftest import REPO, assert_ok, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
+from conftest import REPO, assert_ok, assert_preflight_refuses, losses, max_relative_difference, read_metrics, run_recipe
 
 RECIPE = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
 MODEL = ["--seq-len", "32", "--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--global-batch", "8"]
@@ -43,12 +42,7 @@ LAYOUTS = {  # name: (ranks, options, wrapper reported from inside)
 
 
 def train(out_dir, nproc: int, *args: str):
-    if nproc == 1:
-        cmd = [sys.executable, str(RECIPE)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(RECIPE)]
-    return run([*cmd, "--out-dir", str(out_dir), *args], env=recipe_env(), timeout=300)
+    return run_recipe(RECIPE, out_dir, nproc, *args)
 
 
 def grad_norms(metrics: dict) -> list[float]:
@@ -150,8 +144,4 @@ def test_resume_without_the_optimizer_state_is_caught(uninterrupted, tmp_path):
     (1, ["--tp", "1", "--test-break", "tp-no-reduce"], "needs the parallelism it breaks"),
 ])
 def test_bad_layout_is_refused_before_any_rank_starts(world, options, message, tmp_path):
-    result = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), *MODEL, *options, "--preflight", str(world)],
-                 env=recipe_env(), timeout=120)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[fsdp_tp_pp] error: "), result.stderr
-    assert message in lines[0]
+    assert_preflight_refuses(RECIPE, tmp_path, world, [*MODEL, *options], message)

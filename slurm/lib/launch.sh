@@ -44,6 +44,14 @@ launch_error() {
 }
 
 # The first host of the allocation: rank 0's address for every rank, on every node.
+# Ranks per node of this job: SLURM_NTASKS_PER_NODE is set with --ntasks-per-node only;
+# SLURM_TASKS_PER_NODE ("4(x2)", or "4(x2),3" when uneven: the recipes' preflight then refuses the layout)
+# in every job. 1 if neither says. (The default TP size of the model-parallel batch files.)
+ranks_per_node() {
+    local count=${SLURM_NTASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-1}}
+    echo "${count%%[(,]*}"
+}
+
 first_node() {
     local list=${SLURM_JOB_NODELIST:-} first rest
     if first=$(scontrol show hostnames "$list" 2>/dev/null | head -n 1) && [[ -n $first ]]; then
