@@ -125,17 +125,14 @@ def main(argv: list[str] | None = None) -> int:
 
     env = harness.DistEnv(rank, local_rank, world_size, "", 0, launcher)
     averaged = world_size > 1 and not args.skip_grad_allreduce
-    metrics = harness.start_metrics(
-        RECIPE, args, is_logging_rank=is_rank0, world_size=world_size, history=history,
-        n_params=model.count_params(), flops_per_token=keras_model.flops_per_token(model),
-        peak=keras_model.peak_flops(gpu_name, dtype, args.peak_tflops),
-        run_info={**harness.describe_run(env, f"horovod-{controller}", gpu_name or "cpu",
-                                         "DistributedGradientTape" if averaged else "GradientTape",
-                                         {"tensorflow_version": tf.__version__, "horovod_version": horovod.__version__},
-                                         dp=world_size),
-                  "hostnames": hostnames, "collectives": ops, "lr_used": lr, "dtype": dtype,
-                  "horovod_built": {"gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": hvd.nccl_built()}},
-        framework="tensorflow")
+    versions = {"tensorflow_version": tf.__version__, "horovod_version": horovod.__version__}
+    run_info = {**harness.describe_run(env, f"horovod-{controller}", gpu_name or "cpu",
+                                       "DistributedGradientTape" if averaged else "GradientTape", versions, dp=world_size),
+                "hostnames": hostnames, "collectives": ops, "lr_used": lr, "dtype": dtype,
+                "horovod_built": {"gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": hvd.nccl_built()}}
+    size = (model.count_params(), keras_model.flops_per_token(model))
+    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=world_size, size=size,
+                                    peak=keras_model.peak_flops(gpu_name, dtype, args.peak_tflops), framework="tensorflow")
     if is_rank0:
         print(f"[{RECIPE}] lr {args.lr} x {world_size} ranks = {lr}", flush=True)
 

@@ -98,13 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     global_batch = args.batch_per_rank * world_size
     env = harness.DistEnv(rank, hvd.local_rank(), world_size, "", 0, launcher)
-    metrics = harness.start_metrics(
-        RECIPE, args, is_logging_rank=is_rank0, world_size=world_size, history=history,
-        n_params=sum(p.numel() for p in model.parameters()), flops_per_token=model.flops_per_token(),
-        peak=harness.peak_flops(device, torch.float32, args.peak_tflops),
-        run_info={**harness.describe_run(env, f"horovod-{controller}", device, wrapper,
-                                         {"torch_version": torch.__version__, "horovod_version": horovod.__version__},
-                                         dp=world_size), "lr_used": lr})
+    versions = {"torch_version": torch.__version__, "horovod_version": horovod.__version__}
+    run_info = {**harness.describe_run(env, f"horovod-{controller}", device, wrapper, versions, dp=world_size), "lr_used": lr}
+    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=world_size,
+                                    size=model.size(), peak=harness.peak_flops(device, torch.float32, args.peak_tflops))
 
     def save(step: int) -> None:
         if is_rank0:

@@ -125,13 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         start_step, history = meta["step"], meta["history"]
         print(f"[{RECIPE}] resumed from {latest} (step {start_step})", flush=True)
 
-    metrics = harness.start_metrics(
-        RECIPE, args, is_logging_rank=True, world_size=replicas, history=history, n_params=model.count_params(),
-        flops_per_token=keras_model.flops_per_token(model), peak=keras_model.peak_flops(gpu_name, dtype, args.peak_tflops),
-        run_info={**harness.describe_run(env, f"MirroredStrategy/{all_reduce}", device_kind, type(strategy).__name__,
-                                         {"tensorflow_version": tf.__version__}, dp=replicas),
-                  "replicas": replicas, "devices": devices, "hostnames": [socket.gethostname()], "dtype": dtype},
-        framework="tensorflow")
+    run_info = {**harness.describe_run(env, f"MirroredStrategy/{all_reduce}", device_kind, type(strategy).__name__,
+                                       {"tensorflow_version": tf.__version__}, dp=replicas),
+                "replicas": replicas, "devices": devices, "hostnames": [socket.gethostname()], "dtype": dtype}
+    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=True, devices=replicas,
+                                    size=(model.count_params(), keras_model.flops_per_token(model)),
+                                    peak=keras_model.peak_flops(gpu_name, dtype, args.peak_tflops), framework="tensorflow")
 
     per_replica = args.global_batch // replicas
 
