@@ -17,6 +17,7 @@
 #                that reaches nvcr.io)
 #   ENGINE       podman-hpc | podman | docker | shifter (pull only); default: the first one installed
 #   REGISTRY     where push/pull go, e.g. registry.nersc.gov/myproject or 127.0.0.1:5000
+#   HPCML_IMAGES_FILE  where `pull` records the pulled image for the sbatch files (~/.config/hpcml/images)
 #   TLS_VERIFY   false for a plain-http registry such as a local test one (default true)
 #   WHEEL_DIR    a local directory of wheels, bind-mounted into pip steps (podman only); default: the
 #                directory PIP_FIND_LINKS names, if any. Never copied into a layer.
@@ -349,8 +350,18 @@ cmd_pull() {
         docker) docker pull "$ref" ;;
         *) "$ENGINE" pull --tls-verify="${TLS_VERIFY:-true}" "docker://$ref" ;;
         esac
-        say "run it with: CONTAINER_IMAGE=$ref (or '#SBATCH --image=docker:$ref' under Shifter)"
+        record_image "$image" "$ref"
     done
+}
+
+# The sbatch files run the image a user pulled last (slurm/lib/launch.sh reads the same file): the name
+# is given once, here, and not copied into every job.
+record_image() {
+    local file=${HPCML_IMAGES_FILE:-${XDG_CONFIG_HOME:-$HOME/.config}/hpcml/images}
+    mkdir -p "$(dirname "$file")"
+    { grep -v "^$1=" "$file" 2>/dev/null || true; echo "$1=$2"; } >"$file.tmp"
+    mv "$file.tmp" "$file"
+    say "recorded $1=$2 in $file: the sbatch files in slurm/ now run it (CONTAINER_IMAGE overrides it)"
 }
 
 cmd_versions() {

@@ -10,9 +10,8 @@
 # --ntasks-per-node is the number of ranks (GPUs) per node, as in slurm/ddp.sh, but srun starts one
 # `accelerate launch` per node, which starts that node's ranks (torchrun's c10d rendezvous at the first
 # node). The accelerate config file (ACCELERATE_CONFIG, default recipes/accelerate/multi_gpu.yaml) gives
-# the kind of parallelism; the layout comes from the allocation. Publish the image first
-# (`make push-accelerate REGISTRY=...`, `shifterimg pull docker:<registry>/hpcml/accelerate:cuda`) and put
-# its name in the --image line. Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit and
+# the kind of parallelism; the layout comes from the allocation. The image, once:
+# `make pull-accelerate REGISTRY=<registry> ENGINE=shifter|podman-hpc` (see slurm/ddp.sh). Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit and
 # preemption: as slurm/ddp.sh (checkpoint, requeue, resume). Check first: slurm/preflight.sh slurm/accelerate.sh
 #SBATCH -J accelerate
 #SBATCH -C gpu
@@ -25,7 +24,6 @@
 #SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
-#SBATCH --image=docker:hpcml/accelerate:cuda
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail

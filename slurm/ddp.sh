@@ -6,8 +6,9 @@
 #   CONTAINER_RUNTIME=podman-hpc sbatch -A <account> -q regular slurm/ddp.sh
 #   sbatch -N 4 slurm/ddp.sh --global-batch 256 --max-steps 500  # override the layout and the recipe args
 #
-# Before the first run, publish the image and let Shifter fetch it: `make push-ddp REGISTRY=...`, then
-# `shifterimg pull docker:<registry>/hpcml/ddp:cuda`, and put that name in the --image line below.
+# The image, once: `make pull-ddp REGISTRY=<registry> ENGINE=shifter` (or ENGINE=podman-hpc) pulls
+# <registry>/hpcml/ddp:cuda and records it in ~/.config/hpcml/images, which every job then uses. Or name it
+# per job: `sbatch --image=docker:<registry>/hpcml/ddp:cuda ...` (Shifter) or CONTAINER_IMAGE=<ref>.
 # Runtime, image and NCCL variables are documented in slurm/lib/launch.sh.
 #
 # Time limit and preemption: Slurm sends SIGUSR1 120 s before the limit; the recipe finishes its step,
@@ -25,7 +26,6 @@
 #SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
-#SBATCH --image=docker:hpcml/ddp:cuda
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail

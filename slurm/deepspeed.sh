@@ -14,8 +14,8 @@
 #
 # One srun task per rank, as slurm/ddp.sh: no `deepspeed` launcher, no ssh/pdsh hostfile. The recipe
 # takes its rank from SLURM_* (recipes/harness/launch.py), and refuses DeepSpeed batch sizes that do not fit the
-# world size before any rank starts. Publish the image first (`make push-deepspeed REGISTRY=...`,
-# `shifterimg pull docker:<registry>/hpcml/deepspeed:cuda`) and put its name in the --image line.
+# world size before any rank starts. The image, once: `make pull-deepspeed
+# REGISTRY=<registry> ENGINE=shifter|podman-hpc` (see slurm/ddp.sh).
 # Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit and preemption: as slurm/ddp.sh
 # (checkpoint, requeue, resume with the same ZeRO stage, --pp and layout). Check first:
 #   slurm/preflight.sh slurm/deepspeed.sh --zero-stage 3
@@ -30,7 +30,6 @@
 #SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
-#SBATCH --image=docker:hpcml/deepspeed:cuda
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail
@@ -39,7 +38,8 @@ source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
     { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
 
 # DeepSpeed JIT-compiles missing ops into TORCH_EXTENSIONS_DIR: node-local disk, not a shared home
-# directory, whose file locks hang on NFS/Lustre (the images set the same; this covers runtime none).
+# directory, whose file locks hang on NFS/Lustre, and one per user (the image sets none: under Shifter
+# the image's environment would win over this one).
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions-$(id -u)}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-$(id -u)}
 

@@ -13,9 +13,8 @@
 # FSDP2 over what is left (its all-gathers and reduce-scatters overlap with compute across Slingshot);
 # --pp N puts N pipeline stages across nodes. --tp/--pp/--dp-shard/--dp-replicate given after the file
 # win. The recipe refuses sizes that do not divide the world, the heads, the layers or the batch before any
-# rank starts. One srun task per rank, as slurm/ddp.sh. Publish the image first (`make push-ddp
-# REGISTRY=...`, `shifterimg pull docker:<registry>/hpcml/ddp:cuda`) and put its name in the --image
-# line. Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit and preemption: as
+# rank starts. One srun task per rank, as slurm/ddp.sh. The image, once: `make pull-ddp
+# REGISTRY=<registry> ENGINE=shifter|podman-hpc` (see slurm/ddp.sh). Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit and preemption: as
 # slurm/ddp.sh (a DCP checkpoint, requeue, resume, in any layout).
 # Check first:  slurm/preflight.sh slurm/fsdp_tp_pp.sh --pp 2
 #SBATCH -J fsdp_tp_pp
@@ -29,7 +28,6 @@
 #SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
-#SBATCH --image=docker:hpcml/ddp:cuda
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail

@@ -12,8 +12,8 @@
 # the tensors themselves go through NCCL on GPUs (recipes/horovod/horovod_launch.py). To use MPI as the
 # controller instead (Cray MPICH replacing the image's MPICH under Shifter/podman-hpc), submit with
 #   HOROVOD_CONTROLLER=mpi SLURM_MPI_TYPE=pmi2 sbatch slurm/horovod.sh     (Perlmutter: SLURM_MPI_TYPE=cray_shasta)
-# Publish the image first: `make push-horovod REGISTRY=...`, `shifterimg pull docker:<registry>/hpcml/horovod:cuda`,
-# and put that name in the --image line below. Runtime, image and NCCL variables: slurm/lib/launch.sh.
+# The image, once: `make pull-horovod REGISTRY=<registry> ENGINE=shifter|podman-hpc` (see slurm/ddp.sh).
+# Runtime, image and NCCL variables: slurm/lib/launch.sh.
 # Time limit and preemption: as slurm/ddp.sh (checkpoint at SIGUSR1, requeue, resume from the same RUN_DIR).
 # Check a submission without spending an allocation:  slurm/preflight.sh slurm/horovod.sh [recipe args]
 #SBATCH -J horovod
@@ -27,7 +27,6 @@
 #SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
-#SBATCH --image=docker:hpcml/horovod:cuda
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail

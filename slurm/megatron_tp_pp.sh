@@ -13,9 +13,9 @@
 # PP = number of nodes (one activation send per micro-batch crosses Slingshot), DP = what is left (1).
 # --tp/--pp given after the file win. The recipe refuses layouts that do not divide the world, the heads,
 # the layers or the batch before any rank starts. One srun task per rank, as slurm/ddp.sh.
-# Publish the image first (`make push-megatron REGISTRY=...`, `shifterimg pull docker:<registry>/hpcml/megatron:cuda`)
-# and put its name in the --image line. Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit
-# and preemption: as slurm/ddp.sh (a distributed checkpoint, requeue, resume, in any layout).
+# The image, once: `make pull-megatron REGISTRY=<registry> ENGINE=shifter|podman-hpc` (see slurm/ddp.sh).
+# Runtime, image and NCCL variables: slurm/lib/launch.sh. Time limit and preemption: as slurm/ddp.sh
+# (a distributed checkpoint, requeue, resume, in any layout).
 # Check first:  slurm/preflight.sh slurm/megatron_tp_pp.sh --num-layers 24
 #SBATCH -J megatron_tp_pp
 #SBATCH -C gpu
@@ -28,7 +28,6 @@
 #SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
-#SBATCH --image=docker:hpcml/megatron:cuda
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail

@@ -14,7 +14,6 @@
 #SBATCH --cpus-per-task=32
 #SBATCH -t 00:10:00
 #SBATCH -o %x-%j.out
-#SBATCH --image=docker:hpcml/ddp:cuda
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail

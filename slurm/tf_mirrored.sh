@@ -23,7 +23,6 @@
 #SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
-#SBATCH --image=docker:hpcml/horovod:cuda
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail

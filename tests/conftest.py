@@ -19,6 +19,9 @@ DDP_RECIPE = REPO / "recipes" / "ddp" / "train.py"
 CLUSTER_SCRIPT = REPO / "tests" / "cluster" / "local_slurm.sh"
 CLUSTER_DIR = Path(os.environ.get("LOCAL_SLURM_DIR", "/tmp/hpcml-slurm"))
 CLUSTER_NODES = 4
+SHIFTER_STAND_IN = Path("tests") / "cluster" / "shifter"  # shifter, shifterimg (relative to a checkout)
+SHIFTER_GATEWAY = CLUSTER_DIR / "shifter"
+CLUSTER_USER = "hpcml-user"  # jobs run as this normal user where Perlmutter would run them as the user
 
 # Small and fast on 2 CPU cores; every run in the tests uses these unless it says otherwise.
 TINY = ["--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--log-every", "1"]
@@ -114,26 +117,34 @@ def container_env(**extra: str) -> dict[str, str]:
 
 
 def sbatch_recipe(cluster: dict, tmp_path: Path, recipe: str, *options: str, recipe_args: list[str],
-                  **env: str) -> tuple[int, str, str]:
+                  user: "ClusterUser | None" = None, **env: str) -> tuple[int, str, str]:
     """Submit slurm/<recipe>.sh from the repository root and wait; returns (exit code, job state, log text).
 
     Runtime "none" unless env says otherwise; the run directory is tmp_path/run. Judged by `sbatch --wait`'s
     exit code and by the final state Slurm recorded (jobcomp), since `sbatch --wait` alone reports 0 for a
     job cancelled before it ran.
     """
-    code, job_id = submit_recipe(cluster, tmp_path, recipe, "--wait", *options, recipe_args=recipe_args, **env)
+    code, job_id = submit_recipe(cluster, tmp_path, recipe, "--wait", *options, recipe_args=recipe_args, user=user, **env)
     log = tmp_path / f"{recipe}-{job_id}.out"
     return code, job_state(job_id), log.read_text() if log.exists() else ""
 
 
 def submit_recipe(cluster: dict, tmp_path: Path, recipe: str, *options: str, recipe_args: list[str],
-                  **env: str) -> tuple[int, str]:
-    """sbatch slurm/<recipe>.sh (add "--wait" to options to wait); returns (sbatch's exit code, job id)."""
-    run_env = container_env(**{**cluster, "CONTAINER_RUNTIME": "none", "RUN_DIR": str(tmp_path / "run"), **env})
+                  user: "ClusterUser | None" = None, **env: str) -> tuple[int, str]:
+    """sbatch slurm/<recipe>.sh (add "--wait" to options to wait); returns (sbatch's exit code, job id).
+
+    With ``user``, submitted as that normal user from their own checkout (tmp_path must be theirs:
+    ``user.work_dir(tmp_path)``), with their environment, not root's."""
+    if user is None:
+        run_env = container_env(**{**cluster, "CONTAINER_RUNTIME": "none", "RUN_DIR": str(tmp_path / "run"), **env})
+        prefix, repo = [], REPO
+    else:
+        run_env = {**user.env, **cluster, "CONTAINER_RUNTIME": "none", "RUN_DIR": str(tmp_path / "run"), **env}
+        prefix, repo = user.as_user, user.repo
     # A 5-minute limit (options may set another): a job that hangs ends as TIMEOUT and frees its nodes
     # for the next test, well before this call gives up waiting on it.
-    result = run(["sbatch", "--parsable", "-t", "5", "-o", str(tmp_path / "%x-%j.out"), *options,
-                  str(REPO / "slurm" / f"{recipe}.sh"), *recipe_args], env=run_env, cwd=REPO, timeout=420)
+    result = run([*prefix, "sbatch", "--parsable", "-t", "5", "-o", str(tmp_path / "%x-%j.out"), *options,
+                  str(repo / "slurm" / f"{recipe}.sh"), *recipe_args], env=run_env, cwd=repo, timeout=420)
     job_id = result.stdout.strip().split(";")[0]
     assert job_id.isdigit(), f"sbatch did not submit:\n{result.stdout}\n{result.stderr}"
     return result.returncode, job_id
@@ -189,3 +200,67 @@ def image_fixture(*images: str):
 base_image = image_fixture("base")
 ddp_image = image_fixture("ddp")
 accelerate_image = image_fixture("accelerate")
+
+
+class ClusterUser:
+    """A normal user of the cluster, as every Perlmutter user is: their own checkout in their home, their
+    own environment (no root venv on PATH), their own files. Jobs they submit run as them."""
+
+    def __init__(self, name: str, repo: Path):
+        import pwd
+        entry = pwd.getpwnam(name)
+        self.name, self.uid, self.gid, self.home, self.repo = name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir), repo
+        self.as_user = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", "--"]
+        self.env = {"HOME": str(self.home), "USER": name, "LOGNAME": name, "LANG": "C.UTF-8",
+                    "PATH": f"{repo / SHIFTER_STAND_IN}:/usr/local/bin:/usr/bin:/bin",
+                    "SHIFTER_GATEWAY_DIR": str(SHIFTER_GATEWAY)}
+
+    def work_dir(self, tmp_path: Path) -> Path:
+        """A directory of the user's for one test (pytest's own tmp_path is root's, mode 700)."""
+        work = self.home / "tests" / f"{tmp_path.parent.name}-{tmp_path.name}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        os.chown(work, self.uid, self.gid)
+        return work
+
+    def run(self, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+        kwargs.setdefault("cwd", self.repo)
+        return run([*self.as_user, *cmd], env={**self.env, **kwargs.pop("env", {})}, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def cluster_user() -> ClusterUser:
+    """The normal user, with a fresh copy of this checkout (its tracked and new files) in their home.
+
+    One copy per test run, shared by the test workers (pytest-xdist gives them one run id)."""
+    home = Path("/home") / CLUSTER_USER
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+    repo = home / "checkouts" / run_id[:12]
+    with open(f"/tmp/{CLUSTER_USER}.lock", "w") as lock:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if run(["id", "-u", CLUSTER_USER]).returncode != 0:
+            created = run(["useradd", "--create-home", "--shell", "/bin/bash", CLUSTER_USER])
+            assert created.returncode == 0, created.stderr
+        if not (repo / ".done").exists():
+            shutil.rmtree(home / "checkouts", ignore_errors=True)  # a last run's
+            listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO)
+            assert listed.returncode == 0, listed.stderr
+            for name in filter(None, listed.stdout.split("\0")):
+                source = REPO / name
+                if source.is_file():
+                    (repo / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(source, repo / name)
+            shutil.copytree(REPO / ".git", repo / ".git", symlinks=True)  # so the job log names the commit
+            (repo / ".done").touch()
+            owned = run(["chown", "-R", f"{CLUSTER_USER}:{CLUSTER_USER}", str(home)])
+            assert owned.returncode == 0, owned.stderr
+    return ClusterUser(CLUSTER_USER, repo)
+
+
+def shifter_pull(*images: str) -> None:
+    """The image gateway pulls these cpu images (as its admin, root), as `shifterimg pull` on Perlmutter."""
+    for image in images:
+        result = run([str(REPO / SHIFTER_STAND_IN / "shifterimg"), "pull", f"docker:hpcml/{image}:cpu"],
+                     env={**os.environ, "SHIFTER_GATEWAY_DIR": str(SHIFTER_GATEWAY)}, timeout=300)
+        assert result.returncode == 0, result.stderr

@@ -21,7 +21,8 @@ import pytest
 from conftest import REPO, recipe_env, run
 
 JOB = dict(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="nid[000003-000004]", SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="8",
-           SLURM_SUBMIT_DIR=str(REPO), REPO_DIR=str(REPO))
+           SLURM_SUBMIT_DIR=str(REPO), REPO_DIR=str(REPO),
+           HPCML_IMAGES_FILE="/nonexistent/hpcml-images")  # no image recorded, unless a test records one
 
 
 def launch(*recipe_args: str, **env: str):
@@ -46,11 +47,56 @@ def test_bare_runtime_command_and_environment():
     assert "NCCL_NET=AWS Libfabric" in result.stdout
 
 
-def test_shifter_takes_image_from_sbatch_directive():
-    result = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", SLURM_SPANK_SHIFTER_IMAGE="hpcml/ddp:cuda")
+IMAGE_ID = "74933ee84d16741a63cc732cbee594fb0568861217967d98b33f28bd23b5c723"
+
+
+def test_shifter_runs_the_jobs_image_by_its_id():
+    """`sbatch --image=docker:NAME` reaches the job as Shifter's SPANK plugin hands it over: the image's ID,
+    type "id". A bare `shifter` takes that from the environment; nothing looks the ID up as a name."""
+    result = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", SLURM_SPANK_SHIFTER_IMAGE=IMAGE_ID,
+                    SLURM_SPANK_SHIFTER_IMAGETYPE="id", SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin")
     assert result.returncode == 0, result.stderr
-    assert srun_line(result)[:4] == ["srun", "-u", "--kill-on-bad-exit=1", "shifter"]
-    assert "image=hpcml/ddp:cuda" in result.stdout
+    assert srun_line(result)[:6] == ["srun", "-u", "--kill-on-bad-exit=1", "shifter", "--module=gpu,nccl-plugin", "python3"]
+    assert f"image=id:{IMAGE_ID} (from the job's --image)" in result.stdout
+
+
+def test_podman_runtimes_ignore_shifters_job_image(tmp_path):
+    """A Shifter image ID means nothing to podman: the podman runtimes take CONTAINER_IMAGE or the recorded
+    image, never the job's --image (so no podman-hpc or bare run needs a Shifter image)."""
+    shifter_job = dict(LAUNCH_DRY_RUN="1", SLURM_SPANK_SHIFTER_IMAGE=IMAGE_ID, SLURM_SPANK_SHIFTER_IMAGETYPE="id",
+                       HPCML_IMAGES_FILE=str(tmp_path / "images"))
+    error = one_line_error(launch(CONTAINER_RUNTIME="podman-hpc", **shifter_job))
+    assert "needs the ddp image" in error and "make pull-ddp REGISTRY=... ENGINE=podman-hpc" in error
+    (tmp_path / "images").write_text("megatron=reg/hpcml/megatron:cuda\nddp=reg/hpcml/ddp:old\nddp=reg/hpcml/ddp:cuda\n")
+    for runtime in ("podman-hpc", "podman"):
+        result = launch(CONTAINER_RUNTIME=runtime, **shifter_job)
+        assert result.returncode == 0, result.stderr
+        assert "reg/hpcml/ddp:cuda" in srun_line(result)
+        assert f"image=docker:reg/hpcml/ddp:cuda (from {tmp_path / 'images'})" in result.stdout
+    assert launch(CONTAINER_RUNTIME="none", **shifter_job).returncode == 0
+
+
+def test_image_recorded_by_make_pull_names_each_family_once(tmp_path):
+    """One file, one line per image family, written by `make pull-IMAGE`: every recipe finds its own image."""
+    images = tmp_path / "images"
+    images.write_text("ddp=reg/hpcml/ddp:cuda\ndeepspeed=reg/hpcml/deepspeed:cuda\n")
+    script = (f'source "{REPO}/slurm/lib/launch.sh"; for r in recipes/ddp/train.py recipes/fsdp_tp_pp/train.py '
+              f'recipes/deepspeed/train.py recipes/megatron_tp_pp/train.py; do echo "$(recorded_image "$(image_family $r)")"; done')
+    result = run(["bash", "-c", script], env=recipe_env(HPCML_IMAGES_FILE=str(images)), timeout=30)
+    assert result.stdout.splitlines() == ["reg/hpcml/ddp:cuda", "reg/hpcml/ddp:cuda", "reg/hpcml/deepspeed:cuda", ""]
+    # Every entry point the sbatch files launch has a family.
+    for sbatch in (REPO / "slurm").glob("*.sh"):
+        for entry in re.findall(r"launch_recipe (\S+)", sbatch.read_text()):
+            if entry.startswith("recipes/") or entry.startswith("bench/"):
+                family = run(["bash", "-c", f'source "{REPO}/slurm/lib/launch.sh"; image_family {entry}'], timeout=30)
+                assert (REPO / "containers" / family.stdout.strip() / "Containerfile").exists(), (sbatch, entry)
+
+
+def test_no_sbatch_file_names_a_shifter_image():
+    """A placeholder '#SBATCH --image=' makes Shifter abort sbatch for anyone whose gateway lacks that
+    exact name, and the podman-hpc and bare paths would still need it: the image is named once, elsewhere."""
+    for sbatch in (REPO / "slurm").glob("*.sh"):
+        assert not re.search(r"^#SBATCH\s+--image", sbatch.read_text(), re.M), sbatch
 
 
 def test_shifter_explicit_image_and_modules():
@@ -142,13 +188,17 @@ def test_unknown_runtime():
     assert "unknown CONTAINER_RUNTIME 'docker': use one of: shifter podman-hpc podman none" in error
 
 
-def test_container_runtime_without_image():
-    error = one_line_error(launch(CONTAINER_RUNTIME="podman", LAUNCH_DRY_RUN="1"))
-    assert "needs an image" in error and "#SBATCH --image=" in error
+def test_container_runtime_without_image(tmp_path):
+    nothing_recorded = str(tmp_path / "images")
+    error = one_line_error(launch(CONTAINER_RUNTIME="podman", LAUNCH_DRY_RUN="1", HPCML_IMAGES_FILE=nothing_recorded))
+    assert "needs the ddp image" in error and "make pull-ddp" in error and "CONTAINER_IMAGE=" in error
+    error = one_line_error(launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", HPCML_IMAGES_FILE=nothing_recorded))
+    assert "--image=docker:REPO/NAME:TAG" in error
 
 
 def test_runtime_not_installed():
-    error = one_line_error(launch(CONTAINER_RUNTIME="shifter", SLURM_SPANK_SHIFTER_IMAGE="hpcml/ddp:cuda"))
+    error = one_line_error(launch(CONTAINER_RUNTIME="shifter", SLURM_SPANK_SHIFTER_IMAGE=IMAGE_ID,
+                                  SLURM_SPANK_SHIFTER_IMAGETYPE="id"))
     assert "'shifter' command is not on PATH" in error
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, build_images, job_nodes, job_state, losses, read_metrics, recipe_env, run, submit_recipe
+from conftest import (REPO, TINY, build_images, job_nodes, job_state, losses, read_metrics, recipe_env, run, shifter_pull,
+                      submit_recipe)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
 MATRIX = REPO / "tests" / "matrix.toml"
@@ -53,11 +54,14 @@ PARALLEL_RUN = {
 def load_cells() -> list[dict]:
     cells = tomllib.loads(MATRIX.read_text())["cell"]
     for cell in cells:
-        unknown = set(cell) - {"image", "recipe", "runtime", "nodes", "tasks_per_node", "devices_per_task", "layout",
-                               "args", "expect"}
+        unknown = set(cell) - {"image", "recipe", "runtime", "image_from", "nodes", "tasks_per_node", "devices_per_task",
+                               "layout", "args", "expect"}
         assert not unknown, f"matrix.toml: unknown keys {unknown} in {cell}"
         assert cell["expect"] in ("pass", "config-error"), cell
-        assert cell["runtime"] in ("podman", "none"), cell
+        assert cell["runtime"] in ("shifter", "podman", "none"), cell
+        cell.setdefault("image_from", "sbatch" if cell["runtime"] == "shifter" else "env")
+        assert cell["image_from"] in ("sbatch", "env", "recorded"), cell
+        assert cell["image_from"] != "sbatch" or cell["runtime"] == "shifter", cell
         # A typo in a recipe's name must not drop its cell from the matrix without a word.
         assert (REPO / "recipes" / cell["recipe"] / "train.py").exists(), f"matrix.toml: no recipe {cell['recipe']!r}: {cell}"
     return cells
@@ -65,7 +69,8 @@ def load_cells() -> list[dict]:
 
 def cell_id(cell: dict) -> str:
     return (f"{cell['image']}-{cell['recipe']}-{cell['runtime']}-{cell['nodes']}x{cell['tasks_per_node']}-"
-            f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else ""))
+            + ("" if cell["runtime"] == "none" or cell["image_from"] == "env" else f"image_{cell['image_from']}-")
+            + f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else ""))
 
 
 CELLS = load_cells()
@@ -76,6 +81,7 @@ def matrix_images() -> set[str]:
     """Every image a collected cell runs in, built once per session."""
     images = sorted({cell["image"] for cell in CELLS if cell["runtime"] != "none"})
     build_images(*images)
+    shifter_pull(*sorted({cell["image"] for cell in CELLS if cell["runtime"] == "shifter"}))
     return set(images)
 
 
@@ -120,25 +126,44 @@ def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
     recipes = {path.parent.name for path in (REPO / "recipes").glob("*/train.py")}
     for recipe in recipes:
         runtimes = {c["runtime"] for c in CELLS if c["recipe"] == recipe and c["expect"] == "pass"}
-        assert runtimes == {"podman", "none"}, f"recipe {recipe}: passing cells for {runtimes} only"
+        assert {"podman", "none"} <= runtimes, f"recipe {recipe}: passing cells for {runtimes} only"
+    families = {path.parent.name for path in (REPO / "containers").glob("*/Containerfile")} - {"base", "base-tf", "pytorch"}
+    under_shifter = {c["image"] for c in CELLS if c["runtime"] == "shifter" and c["expect"] == "pass"}
+    assert under_shifter == families, f"image families without a passing Shifter cell: {families - under_shifter}"
+    assert {c["image_from"] for c in CELLS if c["runtime"] == "shifter"} == {"sbatch", "env", "recorded"}
     for cell in CELLS:
         ranks = cell["nodes"] * cell["tasks_per_node"] * cell.get("devices_per_task", 1)
         assert math.prod(parse_layout(cell["layout"]).values()) == ranks, cell
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[cell_id(c) for c in CELLS])
-def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
+def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     recipe, runtime = cell["recipe"], cell["runtime"]
     args = [*RECIPE_BASE_ARGS.get(recipe, BASE_ARGS), *cell["args"]]
-    env = {"CONTAINER_RUNTIME": runtime}
-    if runtime != "none":
-        env["CONTAINER_IMAGE"] = f"hpcml/{cell['image']}:cpu"
-    elif recipe in BARE_PYTHON:
-        env["PYTHON"] = BARE_PYTHON[recipe]
-    code, job = submit_recipe(slurm_cluster, tmp_path, recipe, "--wait", "-N", str(cell["nodes"]),
-                              "--ntasks-per-node", str(cell["tasks_per_node"]), recipe_args=args, **env)
-    state, log = job_state(job), (tmp_path / f"{recipe}-{job}.out").read_text()
+    image = f"hpcml/{cell['image']}:cpu"
+    env, options, user, work = {"CONTAINER_RUNTIME": runtime}, [], None, tmp_path
+    if runtime == "shifter":  # a normal user, as every Perlmutter user, from their own checkout
+        user = request.getfixturevalue("cluster_user")
+        work = user.work_dir(tmp_path)
+    if runtime == "none":
+        if recipe in BARE_PYTHON:
+            env["PYTHON"] = BARE_PYTHON[recipe]
+    elif cell["image_from"] == "sbatch":
+        options.append(f"--image=docker:{image}")
+    elif cell["image_from"] == "env":
+        env["CONTAINER_IMAGE"] = image
+    else:  # what `make pull-IMAGE` records
+        env["HPCML_IMAGES_FILE"] = str(work / "images")
+        (work / "images").write_text(f"{cell['image']}=hpcml/not-this-one:cpu\n{cell['image']}={image}\n")
+    code, job = submit_recipe(slurm_cluster, work, recipe, "--wait", "-N", str(cell["nodes"]),
+                              "--ntasks-per-node", str(cell["tasks_per_node"]), *options, recipe_args=args, user=user, **env)
+    state, log = job_state(job), (work / f"{recipe}-{job}.out").read_text()
     assert f"launch: runtime={runtime} " in log, log
+    if runtime == "shifter":  # the image by name in the log, also when Shifter handed the job its ID
+        source = {"sbatch": "the job's --image", "env": "CONTAINER_IMAGE", "recorded": str(work / "images")}
+        assert re.search(rf"image=docker:{re.escape(image)} (id:[0-9a-f]{{64}} )?\(from {re.escape(source[cell['image_from']])}\)", log), log
+        assert ("image=docker:hpcml/" in log and " id:" in log) == (cell["image_from"] == "sbatch"), log
+    tmp_path = work
 
     if cell["expect"] == "config-error":
         assert code == 2 and state == "FAILED", log  # the preflight's exit code for bad input
@@ -168,8 +193,10 @@ def test_cell(cell, slurm_cluster, matrix_images, tmp_path):
     nodes = job_nodes(job)
     assert len(nodes) == cell["nodes"], nodes
     assert metrics["hostnames"] == [node for node in nodes for _ in range(cell["tasks_per_node"])]
-    if runtime == "podman":
-        assert metrics["container"] == "podman" and metrics["python"] == IMAGE_PYTHON, metrics
+    if runtime != "none":
+        assert metrics["container"] == runtime and metrics["python"] == IMAGE_PYTHON, metrics
+    if user is not None:  # written by the user's ranks, as the user
+        assert (tmp_path / "run" / "metrics.json").stat().st_uid == user.uid
     else:
         # (this test machine may itself be a container; what matters is that it is not the image)
         assert metrics["container"] != "podman" and metrics["python"] != IMAGE_PYTHON, metrics

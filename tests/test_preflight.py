@@ -1,5 +1,5 @@
-"""slurm/preflight.sh: the login-node check of a submission, run for real on the batch files (bare runtime:
-the checks that need Shifter or podman-hpc are the launcher's, tested in tests/test_launch.py).
+"""slurm/preflight.sh: the login-node check of a submission, run for real on the batch files (bare runtime,
+and Shifter through the local stand-in; the launcher's own checks are tested in tests/test_launch.py).
 
 It must take the layout from the file's #SBATCH lines (or -N/-n), run every check the job would run before
 starting ranks, and answer 0, or 2 with one line, in seconds, without creating a run directory.
@@ -7,12 +7,13 @@ starting ranks, and answer 0, or 2 with one line, in seconds, without creating a
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, recipe_env
+from conftest import REPO, ddp_image, recipe_env, shifter_pull  # noqa: F401 (ddp_image: a fixture)
 
 PREFLIGHT = REPO / "slurm" / "preflight.sh"
 
@@ -49,3 +50,34 @@ def test_a_bad_submission_is_one_line_and_exit_2(tmp_path, args, message):
     assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def shifter_ddp(ddp_image):
+    shifter_pull("ddp")
+
+
+@pytest.mark.containers
+@pytest.mark.parametrize("image_given", ["directive", "option"])
+def test_under_shifter_the_check_gets_the_image_as_the_job_would(shifter_ddp, cluster_user, tmp_path, image_given):
+    """As a user on a login node, with the Shifter stand-in: the image named by '#SBATCH --image' or -i is
+    resolved to its ID with type "id", as Shifter's plugin does at submission, so the recipe's own check
+    runs in the image (a bare `shifter` takes an image from the environment only when both are set)."""
+    work = cluster_user.work_dir(tmp_path)
+    sbatch_file, args = "slurm/ddp.sh", ["-i", "docker:hpcml/ddp:cpu"]
+    if image_given == "directive":
+        sbatch_file = str(work / "ddp.sh")
+        text = (REPO / "slurm" / "ddp.sh").read_text()
+        (work / "ddp.sh").write_text(text.replace("#SBATCH -J ddp\n", "#SBATCH -J ddp\n#SBATCH --image=docker:hpcml/ddp:cpu\n"))
+        args = []
+    result = cluster_user.run(["bash", "slurm/preflight.sh", *args, sbatch_file],
+                              env={"CONTAINER_RUNTIME": "shifter", "RUN_DIR": str(work / "run")}, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"image=docker:hpcml/ddp:cpu id:[0-9a-f]{64} \(from the job's --image\)", result.stdout), result.stdout
+    assert "[ddp] preflight: options fit world size 8" in result.stdout
+    missing = cluster_user.run(["bash", "slurm/preflight.sh", "-i", "docker:hpcml/no-such:cpu", "slurm/ddp.sh"],
+                               env={"CONTAINER_RUNTIME": "shifter", "RUN_DIR": str(work / "run")}, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        "preflight: error: Shifter's image gateway has no hpcml/no-such:cpu: shifterimg pull docker:hpcml/no-such:cpu"
+        " (sbatch would refuse the job)"], missing.stderr
+    assert not (work / "run").exists()

@@ -66,7 +66,8 @@ def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, ddp_im
     store = tmp_path / "store"
     storage_conf = tmp_path / "storage.conf"
     storage_conf.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{store}/graph"\nrunroot = "{store}/run"\n')
-    fresh = {"CONTAINERS_STORAGE_CONF": str(storage_conf)}
+    # The pulled image is recorded here (`make pull-IMAGE` names it once for every job).
+    fresh = {"CONTAINERS_STORAGE_CONF": str(storage_conf), "HPCML_IMAGES_FILE": str(tmp_path / "images")}
     try:
         listed = run(["podman", "images", "--format", "{{.Repository}}"], env=container_env(**fresh))
         assert listed.returncode == 0 and listed.stdout.strip() == "", listed.stdout + listed.stderr
@@ -79,9 +80,10 @@ def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, ddp_im
 
         code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "ddp", "-N", "2", "--ntasks-per-node", "1",
                                          recipe_args=[*TINY, "--max-steps", "3", "--global-batch", "4", "--checkpoint-every", "0"],
-                                         CONTAINER_RUNTIME="podman", CONTAINER_IMAGE=reference, **fresh)
+                                         CONTAINER_RUNTIME="podman", **fresh)  # no CONTAINER_IMAGE
         assert (code, state) == (0, "COMPLETED"), log
-        assert f"image={reference}" in log
+        assert (tmp_path / "images").read_text() == f"ddp={reference}\n"
+        assert f"image=docker:{reference} (from {tmp_path / 'images'})" in log
         metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
         assert metrics["world_size"] == 2 and metrics["container"] == "podman"
     finally:

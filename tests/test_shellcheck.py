@@ -8,13 +8,14 @@ from conftest import REPO, run
 
 SCRIPTS = sorted(
     [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/lib/*.sh"), *REPO.glob("tests/**/*.sh"), *REPO.glob("containers/*.sh"),
-     REPO / ".ci" / "run"]
+     *(REPO / "tests" / "cluster" / "shifter").glob("shifter*"), REPO / ".ci" / "run"]
 )
 
 
 def test_scripts_exist():
     names = {p.relative_to(REPO).as_posix() for p in SCRIPTS}
-    assert {"slurm/ddp.sh", "slurm/lib/launch.sh", "tests/cluster/local_slurm.sh", ".ci/run"} <= names
+    assert {"slurm/ddp.sh", "slurm/lib/launch.sh", "tests/cluster/local_slurm.sh", "tests/cluster/shifter/shifter",
+            "tests/cluster/shifter/shifterimg", ".ci/run"} <= names
 
 
 def test_shellcheck_passes():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, recipe_env, run, sbatch_recipe
+from conftest import TINY, ddp_image, recipe_env, run, sbatch_recipe, shifter_pull  # noqa: F401 (ddp_image: a fixture)
 
 pytestmark = pytest.mark.slurm
 RECIPE_ARGS = [*TINY, "--max-steps", "4", "--global-batch", "8", "--checkpoint-every", "0"]
@@ -44,11 +44,20 @@ def test_batch_not_divisible_by_world_size_fails_with_one_line(slurm_cluster, tm
     assert "Traceback" not in log and "world_size=4" not in log
 
 
-def test_shifter_directives_reach_the_job_as_shifter_names_them(slurm_cluster, tmp_path):
-    """The SPANK plugin: --image/--module are accepted and exported under Shifter's variable names."""
+@pytest.mark.containers
+def test_shifter_image_is_resolved_at_submission_as_shifter_does(slurm_cluster, ddp_image, tmp_path):
+    """The Shifter SPANK plugin (stand-in): `--image=docker:NAME` is looked up in the image gateway when
+    sbatch runs, and the job gets the image's ID with type "id", as on Perlmutter; an image the gateway does
+    not have aborts sbatch (no job, no allocation spent)."""
+    shifter_pull("ddp")
     out = tmp_path / "probe.out"
-    result = run(["sbatch", "--wait", "-o", str(out), "--image=docker:me/ddp:v1", "--module=gpu,nccl-plugin", "--wrap",
+    result = run(["sbatch", "--wait", "-o", str(out), "--image=docker:hpcml/ddp:cpu", "--module=gpu,nccl-plugin", "--wrap",
                   "echo image=$SLURM_SPANK_SHIFTER_IMAGE type=$SLURM_SPANK_SHIFTER_IMAGETYPE module=$SLURM_SPANK_SHIFTER_MODULE"],
                  env=recipe_env(**slurm_cluster), cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert out.read_text().strip() == "image=me/ddp:v1 type=docker module=gpu,nccl-plugin"
+    image_id = run(["podman", "image", "inspect", "--format", "{{.Id}}", "hpcml/ddp:cpu"]).stdout.strip()
+    assert out.read_text().strip() == f"image={image_id} type=id module=gpu,nccl-plugin"
+    missing = run(["sbatch", "--parsable", "--image=docker:hpcml/no-such:cpu", "--wrap", "true"],
+                  env=recipe_env(**slurm_cluster), cwd=tmp_path, timeout=120)
+    assert missing.returncode != 0 and missing.stdout.strip() == "", missing.stdout
+    assert "Failed to lookup image" in missing.stderr and "shifterimg pull docker:hpcml/no-such:cpu" in missing.stderr

@@ -20,7 +20,9 @@
 # Variables (all optional; set them in the environment of `sbatch`, which passes them to the job):
 #   CONTAINER_RUNTIME  shifter | podman-hpc | podman | none
 #                      default: shifter where the `shifter` command exists (Perlmutter), else none
-#   CONTAINER_IMAGE    image to run; default: the job's `#SBATCH --image=` (Shifter's SLURM_SPANK_SHIFTER_IMAGE)
+#   CONTAINER_IMAGE    image to run (REPO/NAME:TAG). Default: under Shifter the job's image (`sbatch
+#                      --image=docker:REPO/NAME:TAG`: Shifter hands the job its ID), else the one
+#                      `make pull-IMAGE` recorded in HPCML_IMAGES_FILE (~/.config/hpcml/images)
 #   PYTHON             interpreter inside the runtime (default: python3)
 #   NCCL_NET           network NCCL must use (default "AWS Libfabric": the Slingshot plugin). NCCL then
 #                      fails at start-up instead of falling back to TCP sockets. Set NCCL_NET= (empty) on
@@ -82,25 +84,79 @@ choose_runtime() {
     echo "$runtime"
 }
 
+# The image family each entry point runs in (containers/<family>): what `make pull-<family>` records.
+image_family() {
+    case $1 in
+    recipes/ddp/* | recipes/fsdp_tp_pp/* | bench/*) echo ddp ;;
+    recipes/accelerate/*) echo accelerate ;;
+    recipes/deepspeed/*) echo deepspeed ;;
+    recipes/megatron_tp_pp/*) echo megatron ;;
+    recipes/horovod/* | recipes/tf_mirrored/*) echo horovod ;;
+    *) echo "" ;;
+    esac
+}
+
+# Where `make pull-IMAGE` (containers/images.sh pull) records the image a user pulled, one FAMILY=REF a line.
+images_file() {
+    echo "${HPCML_IMAGES_FILE:-${XDG_CONFIG_HOME:-$HOME/.config}/hpcml/images}"
+}
+
+recorded_image() {
+    local file
+    file=$(images_file)
+    [[ -n $1 && -r $file ]] && sed -n "s/^$1=//p" "$file" | tail -n 1
+    return 0
+}
+
+# Sets IMAGE to the image to run, "docker:NAME" or "id:ID" (Shifter's job image), and IMAGE_SOURCE to where
+# it came from.
+# In this order: CONTAINER_IMAGE; under Shifter the job's own image (`sbatch --image=docker:NAME`, which
+# Shifter resolves to an ID at submission); the image `make pull-IMAGE` recorded. The podman runtimes
+# never take Shifter's job image: a Shifter ID means nothing to them.
 choose_image() {
-    local runtime=$1 image=${CONTAINER_IMAGE:-${SLURM_SPANK_SHIFTER_IMAGE:-}}
-    image=${image#docker:}
+    local runtime=$1 recipe=$2 family image
+    IMAGE="" IMAGE_SOURCE=""
     [[ $runtime == none ]] && return 0
-    if [[ -z $image ]]; then
-        launch_error "CONTAINER_RUNTIME=$runtime needs an image: add '#SBATCH --image=docker:REPO/NAME:TAG'" \
-            "or set CONTAINER_IMAGE=REPO/NAME:TAG"
+    family=$(image_family "$recipe")
+    if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+        image=docker:${CONTAINER_IMAGE#docker:} IMAGE_SOURCE=CONTAINER_IMAGE
+    elif [[ $runtime == shifter && -n ${SLURM_SPANK_SHIFTER_IMAGE:-} ]]; then
+        # Shifter's SPANK plugin hands the job the image's ID with type "id" (a name only if unresolved).
+        if [[ ${SLURM_SPANK_SHIFTER_IMAGETYPE:-docker} == id ]]; then
+            image=id:$SLURM_SPANK_SHIFTER_IMAGE
+        else
+            image=docker:${SLURM_SPANK_SHIFTER_IMAGE#docker:}
+        fi
+        IMAGE_SOURCE="the job's --image"
+    elif image=$(recorded_image "$family") && [[ -n $image ]]; then
+        image=docker:${image#docker:} IMAGE_SOURCE=$(images_file)
+    else
+        local per_job="set CONTAINER_IMAGE=REPO/NAME:TAG"
+        [[ $runtime == shifter ]] && per_job="submit with --image=docker:REPO/NAME:TAG, or $per_job"
+        launch_error "CONTAINER_RUNTIME=$runtime needs the ${family:-recipe} image: pull it once with" \
+            "'make pull-${family:-IMAGE} REGISTRY=... ENGINE=$runtime' (it is recorded in $(images_file)), or $per_job"
     fi
     if [[ $runtime == podman || $runtime == podman-hpc ]] && [[ ${LAUNCH_DRY_RUN:-0} != 1 ]] &&
-        ! "$runtime" image exists "$image"; then
-        launch_error "image '$image' is not in $runtime's local storage on $(hostname):" \
-            "build it (make build-IMAGE) or pull it ($runtime pull $image)"
+        ! "$runtime" image exists "${image#docker:}"; then
+        launch_error "image '${image#docker:}' is not in $runtime's local storage on $(hostname):" \
+            "build it (make build-$family) or pull it (make pull-$family ENGINE=$runtime REGISTRY=...)"
     fi
-    # Shifter starts only images its gateway has pulled (not checked here where shifterimg is absent).
-    if [[ $runtime == shifter && ${LAUNCH_DRY_RUN:-0} != 1 ]] && command -v shifterimg >/dev/null 2>&1 &&
-        ! shifterimg lookup "docker:$image" >/dev/null 2>&1; then
-        launch_error "Shifter has no image '$image': shifterimg pull docker:$image (then resubmit)"
+    # Shifter starts only images its gateway has pulled (an ID was resolved at submission already).
+    if [[ $runtime == shifter && $image == docker:* && ${LAUNCH_DRY_RUN:-0} != 1 ]] &&
+        command -v shifterimg >/dev/null 2>&1 && ! shifterimg lookup "$image" >/dev/null 2>&1; then
+        launch_error "Shifter's image gateway has no image '${image#docker:}': shifterimg pull $image (then resubmit)"
     fi
-    echo "$image"
+    IMAGE=$image
+}
+
+# The image for the log: its name, also when Shifter handed the job an ID (`shifterimg images` knows the name).
+describe_image() {
+    local image=$1 name=""
+    [[ -n $image ]] || { echo "(none)"; return; }
+    if [[ $image == id:* ]] && command -v shifterimg >/dev/null 2>&1; then
+        name=$(shifterimg images 2>/dev/null | awk -v id="${image:3:10}" '$4 == id {print $NF; exit}') || true
+    fi
+    echo "${name:+docker:$name }$image (from $IMAGE_SOURCE)"
 }
 
 # Slingshot-11 settings for NCCL over the aws-ofi-nccl (libfabric/CXI) plugin; harmless where unused.
@@ -138,13 +194,14 @@ build_command() {
     case $runtime in
     none) ;;
     shifter)
-        # The image and modules come from #SBATCH --image/--module; an explicit image wins.
-        if [[ -n ${CONTAINER_IMAGE:-} ]]; then
-            cmd+=(shifter "--image=docker:$image")
-            [[ -n ${SLURM_SPANK_SHIFTER_MODULE:-} ]] && cmd+=("--module=$SLURM_SPANK_SHIFTER_MODULE")
-        else
+        # The job's own image (an ID) is the one a bare `shifter` takes from the environment; any other is
+        # named. The modules come from '#SBATCH --module'.
+        if [[ $image == id:* && ${image#id:} == "${SLURM_SPANK_SHIFTER_IMAGE:-}" ]]; then
             cmd+=(shifter)
+        else
+            cmd+=(shifter "--image=$image")
         fi
+        [[ -n ${SLURM_SPANK_SHIFTER_MODULE:-} ]] && cmd+=("--module=$SLURM_SPANK_SHIFTER_MODULE")
         ;;
     podman | podman-hpc)
         cmd+=("$runtime" run --rm --network=host --ipc=host)
@@ -172,7 +229,7 @@ build_command() {
         # container starts, so every rank gets its own SLURM_PROCID and the step's SLURM_STEP_* (which the
         # batch script, where this command is built, does not have).
         cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'TORCH_NCCL_*' -e 'FI_*' -e 'HPCML_*' -e 'HOROVOD_*' -e 'TF_*' -e OMP_NUM_THREADS -e PYTHONUNBUFFERED)
-        cmd+=("$image")
+        cmd+=("${image#docker:}")
         ;;
     esac
     cmd+=("${PYTHON:-python3}" "$@")
@@ -265,7 +322,8 @@ launch_recipe() {
 
     local runtime image
     runtime=$(choose_runtime) || exit 2
-    image=$(choose_image "$runtime") || exit 2
+    choose_image "$runtime" "$recipe"
+    image=$IMAGE
     export_network_settings
     check_allocation "$runtime"
     local created_run_dir=0
@@ -290,7 +348,7 @@ launch_recipe() {
 
     # What ran, at the top of every job log (a requeued job appends to the same log).
     echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)"
-    echo "launch: runtime=$runtime image=${image:-(none)} master=$MASTER_ADDR:$MASTER_PORT commit=$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "launch: runtime=$runtime image=$(describe_image "$image") master=$MASTER_ADDR:$MASTER_PORT commit=$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME FI_MR_CACHE_MONITOR=$FI_MR_CACHE_MONITOR"
     echo "launch: $(printf '%q ' "${command[@]}")"
     if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then

@@ -10,7 +10,7 @@
 # named like Perlmutter's compute nodes. A rank that wrongly rendezvouses at "localhost" therefore fails
 # here, as it would on a real cluster, instead of silently forming one world per node on a shared loopback.
 # Nodes advertise Perlmutter's shape (feature "gpu", 4 GPUs as a count-only GRES, 128 CPUs), so the sbatch
-# files in slurm/ run unchanged; a SPANK plugin accepts Shifter's --image/--module options.
+# files in slurm/ run unchanged; a Shifter stand-in (shifter/: SPANK plugin, shifterimg, shifter) runs images as Perlmutter does.
 #
 # All state (configs, logs, spool, munge key and socket, PID files) lives under $LOCAL_SLURM_DIR.
 set -euo pipefail
@@ -50,8 +50,10 @@ ensure_packages() {
 
 write_configs() {
     local nodes=$1 i name
-    mkdir -p "$STATE_DIR"/{etc,log,run,ctld,spool,munge,cgroup-empty}
-    chmod 700 "$STATE_DIR/munge"
+    mkdir -p "$STATE_DIR"/{etc,log,run,ctld,spool,munge,munge-key,cgroup-empty}
+    # Jobs are submitted by normal users too: they reach munged's socket; only root reads the key.
+    chmod 755 "$STATE_DIR" "$STATE_DIR/munge"
+    chmod 700 "$STATE_DIR/munge-key"
     local hostlist
     hostlist="nid[$(printf '%06d' 1)-$(printf '%06d' "$nodes")]"
 
@@ -118,7 +120,9 @@ CgroupPlugin=cgroup/v1
 CgroupMountpoint=$STATE_DIR/cgroup-empty
 CgroupAutomount=no
 EOF
-    echo "required $STATE_DIR/spank_shifter_options.so" >"$STATE_DIR/etc/plugstack.conf"
+    # Shifter's SPANK plugin (stand-in): --image is resolved at submission through the local image gateway.
+    echo "required $STATE_DIR/spank_shifter_options.so shifterimg=$HERE/shifter/shifterimg gateway=$STATE_DIR/shifter" \
+        >"$STATE_DIR/etc/plugstack.conf"
 }
 
 build_spank_plugin() {
@@ -129,7 +133,7 @@ build_spank_plugin() {
 }
 
 start_munge() {
-    local key=$STATE_DIR/munge/munge.key
+    local key=$STATE_DIR/munge-key/munge.key
     [[ -f $key ]] || mungekey --create --keyfile="$key" >/dev/null
     chmod 400 "$key"
     pid_alive "$STATE_DIR/run/munged.pid" && return 0
@@ -249,6 +253,7 @@ cmd_stop() {
         ip netns del "$name" 2>/dev/null || true
     done
     ip link del "$BRIDGE" 2>/dev/null || true
+    SHIFTER_GATEWAY_DIR=$STATE_DIR/shifter bash "$HERE/shifter/shifterimg" release-all 2>/dev/null || true
     sed -i "/$HOSTS_MARKER/d" /etc/hosts
     rm -f "$STATE_DIR/nodes"
     log "stopped"
