@@ -66,8 +66,10 @@ def main() -> int:
         raise harness.ConfigError("an all-reduce check needs at least 2 ranks")
     if env.rank == 0:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-    # NCCL's own account of the transport it chose, one file per process (read back by rank 0 below).
-    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    # NCCL's own account of the transport it chose, one file per process (read back by rank 0 below): at
+    # INFO or more, whatever the job set (a launcher's WARN would hide the NET/ lines the check reads).
+    if os.environ.get("NCCL_DEBUG", "").upper() not in ("INFO", "TRACE"):
+        os.environ["NCCL_DEBUG"] = "INFO"
     os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
     os.environ.setdefault("NCCL_DEBUG_FILE", str(args.out_dir.resolve() / "nccl.%h.%p.log"))
     device, backend = harness.setup_torch_distributed(env, args.timeout_s)

@@ -21,5 +21,8 @@ set -euo pipefail
 source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
     { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
 
+# The check reads NCCL's own INFO lines (NET/OFI or NET/Socket) to tell which transport it chose: the
+# launcher's default, WARN, would hide them.
+export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=${NCCL_DEBUG_SUBSYS:-INIT,NET}
 RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/nccl_check-$SLURM_JOB_ID}
 launch_recipe bench/allreduce.py --out-dir "$RUN_DIR" "$@"

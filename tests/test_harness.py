@@ -134,3 +134,24 @@ def test_lines_of_ranks_printing_at_once_never_run_into_each_other():
     lines = result.stdout.splitlines()
     assert len(lines) == 8000
     assert all(re.fullmatch(r"\[rank \d\] error: the same long message, x{200}", line) for line in lines)
+
+
+@pytest.mark.parametrize(("order", "gpus", "expected"), [
+    ("", 4, [0, 1, 2, 3]),
+    ("3,2,1,0", 4, [3, 2, 1, 0]),  # Perlmutter: local rank l on NUMA domain l, next to GPU 3-l
+    ("3,2,1,0", 1, [0, 0, 0, 0]),  # Slurm bound one GPU to each rank: that one
+    ("1,0", 2, [1, 0, 1, 0]),
+])
+def test_each_local_rank_drives_the_gpu_the_order_names(order, gpus, expected):
+    assert [harness.gpu_for_local_rank(rank, gpus, order) for rank in range(4)] == expected
+
+
+@pytest.mark.parametrize("order", ["3,2,1", "0,0,1,2", "a,b,c,d", "4,3,2,1"])
+def test_a_gpu_order_that_is_not_a_permutation_is_refused(order):
+    with pytest.raises(harness.ConfigError, match="must name each of this node's 4 GPUs once"):
+        harness.gpu_for_local_rank(0, 4, order)
+
+
+def test_cpu_lists_are_written_as_taskset_writes_them():
+    from harness.launch import cpu_list
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8" and cpu_list([3]) == "3"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, build_images, container_env, run
+from conftest import REPO, build_images, container_env, run, shifter_pull
 
 pytestmark = pytest.mark.containers
 IMAGES = os.environ.get("HPCML_TEST_IMAGES", "ddp accelerate deepspeed megatron horovod").split()
@@ -32,8 +32,10 @@ IMPORT_CHECK = {
     "megatron": "import psutil, megatron.core.parallel_state, megatron.core.tensor_parallel, sys; "
                 "sys.path.insert(0, \"/opt/hpcml/recipes/megatron_tp_pp\"); import cpu_placement_shim",
     # The shared-memory op of DeepSpeed's CPU backend is prebuilt: loading it compiles nothing (there is no
-    # compiler in the image to do so) and leaves TORCH_EXTENSIONS_DIR empty.
-    "deepspeed": "import os, deepspeed; from deepspeed.accelerator import get_accelerator; "
+    # compiler in the image to do so) and leaves TORCH_EXTENSIONS_DIR empty. (The image sets no such
+    # directory: each job sets its own, per user; here, one for the check.)
+    "deepspeed": "import os; os.environ[\"TORCH_EXTENSIONS_DIR\"] = \"/tmp/ops-check\"; "
+                 "import deepspeed; from deepspeed.accelerator import get_accelerator; "
                  "from deepspeed.git_version_info import installed_ops; "
                  "assert get_accelerator()._name == \"cpu\" and installed_ops[\"deepspeed_shm_comm\"], installed_ops; "
                  "get_accelerator().create_op_builder(\"ShareMemCommBuilder\").load(); "
@@ -224,3 +226,17 @@ def test_image_tool_rejects_bad_input_with_one_line(args, env, message):
     result = run([*IMAGES_TOOL, *args], env=container_env(**env), timeout=60)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("images: error: ") and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_under_shifter_the_jobs_own_settings_reach_the_command(images, image, cluster_user):
+    """Shifter puts the image's environment over the job's, so an image must not set what each job chooses
+    per user: the DeepSpeed/Triton op caches (one /tmp directory for every user of a node otherwise).
+    Through the Shifter stand-in, as a normal user: their values arrive, the command runs as them, and in
+    their working directory."""
+    shifter_pull(image)
+    mine = {"TORCH_EXTENSIONS_DIR": f"/tmp/torch_extensions-{cluster_user.uid}", "TRITON_CACHE_DIR": f"/tmp/triton-{cluster_user.uid}"}
+    result = cluster_user.run(["shifter", f"--image=docker:hpcml/{image}:cpu", "sh", "-c",
+                               'echo "$TORCH_EXTENSIONS_DIR $TRITON_CACHE_DIR $(id -u) $PWD $SHIFTER_RUNTIME"'], env=mine, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [*mine.values(), str(cluster_user.uid), str(cluster_user.repo), "1"]

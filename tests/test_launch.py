@@ -348,3 +348,34 @@ def test_per_node_script_passes_slurm_signals_to_the_ranks_not_the_launcher(tmp_
     _, stderr = node.communicate(timeout=30)
     assert node.returncode == 13, stderr  # the launcher survived and reported its rank's exit code 3
     assert re.search(r"per_node: \S+: USR1 to rank process \d+", stderr), stderr
+
+
+def test_each_rank_gets_its_own_cores_and_perlmutter_gpus_are_ordered_by_numa():
+    """srun does not inherit --cpus-per-task since Slurm 22.05: without passing it, a node's ranks share
+    one core. On Perlmutter GPU k is next to NUMA domain 3-k: local rank l (on domain l) drives GPU 3-l.
+    (What the ranks then see is logged by each one: '[launch] rank R ... cpus C, device D'.)"""
+    job = dict(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", SLURM_CPUS_PER_TASK="32", SLURM_GPUS_PER_NODE="4")
+    result = launch(**job)
+    assert srun_line(result)[:6] == ["srun", "-u", "--kill-on-bad-exit=1", "--cpus-per-task=32", "--cpu-bind=cores", "python3"]
+    assert "GPU order=(local rank l: GPU l)" in result.stdout
+    assert "GPU order=3,2,1,0" in launch(**job, NERSC_HOST="perlmutter").stdout
+    assert "GPU order=(local rank l: GPU l)" in launch(**job, NERSC_HOST="perlmutter", HPCML_GPU_ORDER="").stdout
+
+
+def test_a_per_node_launcher_hands_its_ranks_the_gpus_in_that_order():
+    result = run(["bash", str(REPO / "slurm" / "lib" / "per_node.sh"), 'echo "$CUDA_VISIBLE_DEVICES ${HPCML_GPU_ORDER:-unset}"'],
+                 env=recipe_env(CUDA_VISIBLE_DEVICES="4,5,6,7", HPCML_GPU_ORDER="3,2,1,0"), timeout=30)
+    assert result.returncode == 0 and result.stdout.split() == ["7,6,5,4", "unset"], result.stdout + result.stderr
+
+
+def test_the_nccl_check_sees_nccls_transport_lines():
+    """slurm/nccl_check.sh reads NCCL's NET/OFI or NET/Socket lines, which only INFO prints: the launcher's
+    WARN default must not reach it (it does reach the training jobs)."""
+    def dry_run(sbatch_file: str) -> str:
+        result = run(["bash", str(REPO / "slurm" / sbatch_file)], env=recipe_env(**JOB, CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1"),
+                     cwd=REPO, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+    assert "NCCL_DEBUG=INFO " in dry_run("nccl_check.sh")
+    assert "NCCL_DEBUG=WARN " in dry_run("ddp.sh")
+

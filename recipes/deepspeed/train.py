@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     must_match = {"model_cfg": asdict(model_cfg), "global_batch": global_batch}  # to resume a checkpoint
     resume_from, trainer_state = harness.resume_dir(args, must_match)
     check_resumable(resume_from, trainer_state, stage, world_size, pp)
+    # DeepSpeed JIT-compiles missing ops into TORCH_EXTENSIONS_DIR: node-local disk and one directory per
+    # user (a shared home's file locks hang on NFS/Lustre; one /tmp directory for everyone belongs to whoever
+    # made it first). The image sets none, so under Shifter, where the image's environment wins, the job's does.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"/tmp/torch_extensions-{os.getuid()}")
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         return harness.preflight_line(RECIPE, f"ZeRO-{stage}, PP {pp} x DP {dp}, batch {global_batch} = {micro_rows} x "
                                       f"{accum} x {dp} {'ranks' if pp == 1 else 'DP ranks'}", resume_from)

@@ -28,7 +28,7 @@ from .cli import (
 from .data import numpy_token_batch, SyntheticTokens
 from .launch import (
     all_hostnames, check_expected_world_size, default_master_port, detect_dist_env, DistEnv, expand_hostlist,
-    EXPECTED_WORLD_SIZE_ENV, leave_process_group, max_across_ranks, max_difference_across_ranks,
+    EXPECTED_WORLD_SIZE_ENV, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
     mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed,
 )
 from .metrics import describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, transformer_flops_per_token
@@ -39,7 +39,7 @@ __all__ = [
     "add_data_options", "add_gpt_options", "add_run_options", "all_hostnames", "atomic_write_bytes",
     "check_expected_world_size", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV", "default_master_port",
     "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV",
-    "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "leave_process_group",
+    "gpu_for_local_rank", "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "leave_process_group",
     "list_checkpoint_dirs", "list_checkpoints", "main_entry", "max_across_ranks", "max_difference_across_ranks",
     "mean_across_ranks", "MetricsLogger", "new_parser", "nodes_in_job", "numpy_token_batch",
     "parse_args_with_config", "parse_recipe_args", "peak_flops", "preflight_line", "publish_checkpoint_dir",

@@ -142,6 +142,42 @@ def check_expected_world_size(world_size: int, environ: dict[str, str] | None = 
         )
 
 
+GPU_ORDER_ENV = "HPCML_GPU_ORDER"
+
+
+def gpu_for_local_rank(local_rank: int, gpu_count: int, order: str | None = None) -> int:
+    """The GPU (an index into the node's visible GPUs) that local rank ``local_rank`` drives.
+
+    Local rank l drives GPU l, unless HPCML_GPU_ORDER lists each rank's GPU: on Perlmutter GPU k sits next
+    to NUMA domain 3-k while `srun --cpu-bind=cores` puts local rank l on the cores of domain l, so
+    "3,2,1,0" keeps every rank next to its GPU (slurm/lib/launch.sh sets it there). A rank that sees one
+    GPU only (Slurm bound it) drives that one.
+    """
+    order = os.environ.get(GPU_ORDER_ENV, "") if order is None else order
+    if gpu_count == 1 or not order:
+        return local_rank % gpu_count
+    try:
+        gpus = [int(part) for part in order.split(",")]
+    except ValueError:
+        gpus = []
+    if sorted(gpus) != list(range(gpu_count)):
+        example = ",".join(str(index) for index in reversed(range(gpu_count)))
+        raise ConfigError(f"{GPU_ORDER_ENV}={order!r} must name each of this node's {gpu_count} GPUs once "
+                          f"(e.g. {example}); unset it to give local rank l GPU l")
+    return gpus[local_rank % gpu_count]
+
+
+def cpu_list(cpus) -> str:
+    """{0, 1, 2, 5} -> "0-2,5" (as taskset and Slurm write CPU lists)."""
+    ranges, cpus = [], sorted(cpus)
+    for cpu in cpus:
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in ranges)
+
+
 def setup_torch_distributed(env: DistEnv, timeout_s: float, always_group: bool = False) -> tuple[torch.device, str]:
     """Pick device and backend, and join the process group when there is more than one rank.
 
@@ -153,11 +189,14 @@ def setup_torch_distributed(env: DistEnv, timeout_s: float, always_group: bool =
     import torch.distributed as dist
 
     if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", gpu_for_local_rank(env.local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if os.environ.get("SLURM_JOB_ID"):  # in a job's log: where each rank runs, so a bad binding shows
+        print(f"[launch] rank {env.rank} (local rank {env.local_rank}) on {socket.gethostname()}: "
+              f"cpus {cpu_list(os.sched_getaffinity(0))}, device {device}", flush=True)
     if env.world_size > 1:
         dist.init_process_group(
             backend,

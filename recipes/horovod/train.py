@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     controller = "gloo" if hvd.gloo_enabled() else "mpi" if hvd.mpi_enabled() else "none"
     gpus, gpu_name = tf.config.list_physical_devices("GPU"), None
     if gpus:  # one GPU per rank, memory taken as needed rather than all of it up front
-        gpu = gpus[local_rank % len(gpus)]
+        gpu = gpus[harness.gpu_for_local_rank(local_rank, len(gpus))]
         tf.config.set_visible_devices(gpu, "GPU")
         tf.config.experimental.set_memory_growth(gpu, True)
         gpu_name = tf.config.experimental.get_device_details(gpu).get("device_name")

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.check_expected_world_size(world_size)
     validate(args, world_size)
     if torch.cuda.is_available():
-        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        device = torch.device("cuda", harness.gpu_for_local_rank(hvd.local_rank(), torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

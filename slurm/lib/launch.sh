@@ -27,6 +27,8 @@
 #   NCCL_NET           network NCCL must use (default "AWS Libfabric": the Slingshot plugin). NCCL then
 #                      fails at start-up instead of falling back to TCP sockets. Set NCCL_NET= (empty) on
 #                      clusters without the plugin.
+#   HPCML_GPU_ORDER    the GPU each local rank drives, e.g. 3,2,1,0 (default on Perlmutter: each rank next
+#                      to its cores); empty: local rank l drives GPU l
 #   LAUNCH_DRY_RUN=1   print the srun command instead of running it (no checks that need the runtime)
 #   LAUNCH_PREFLIGHT=0 skip the recipe's own check (python RECIPE --preflight WORLD_SIZE) before srun
 #   LAUNCH_PREFLIGHT_ONLY=1  run every check, then stop before srun (slurm/preflight.sh sets it)
@@ -243,7 +245,11 @@ build_step() {
     local -a container
     if [[ -z ${RECIPE_LAUNCHER:-} ]]; then
         build_command container "$runtime" "$image" "$REPO_DIR/$recipe" "$@"
-        step=(srun -u --kill-on-bad-exit=1 "${container[@]}")
+        step=(srun -u --kill-on-bad-exit=1)
+        # Since Slurm 22.05 srun does not inherit the job's --cpus-per-task: without it every rank of a node
+        # would share one core. Each rank gets its own cores, bound.
+        [[ ${SLURM_CPUS_PER_TASK:-} =~ ^[0-9]+$ ]] && step+=(--cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=cores)
+        step+=("${container[@]}")
         return
     fi
     local nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}} tasks=${SLURM_NTASKS:-1}
@@ -255,7 +261,8 @@ build_step() {
         "${container[@]:python_at}")
     step=(srun -u --kill-on-bad-exit=1 -N "$nodes" --ntasks="$nodes" --ntasks-per-node=1)
     # The node's launcher task needs the CPUs of all the ranks it starts.
-    [[ ${SLURM_CPUS_PER_TASK:-} =~ ^[0-9]+$ ]] && step+=(--cpus-per-task=$((SLURM_CPUS_PER_TASK * tasks / nodes)))
+    [[ ${SLURM_CPUS_PER_TASK:-} =~ ^[0-9]+$ ]] &&
+        step+=(--cpus-per-task=$((SLURM_CPUS_PER_TASK * tasks / nodes)) --cpu-bind=cores)
     step+=("${container[@]}")
 }
 
@@ -272,6 +279,12 @@ check_allocation() {
     if [[ $gpus =~ ^[0-9]+$ && $tasks =~ ^[0-9]+$ ]] && ((gpus > 0 && tasks > gpus)); then
         launch_error "$tasks tasks per node but $gpus GPUs per node: one rank per GPU;" \
             "use --ntasks-per-node=$gpus (or ask for --gpus-per-node=$tasks)"
+    fi
+    # On Perlmutter GPU k is closest to NUMA domain 3-k (NERSC's own job scripts set
+    # CUDA_VISIBLE_DEVICES=3,2,1,0), and --cpu-bind=cores puts local rank l on domain l: local rank l
+    # drives GPU 3-l (recipes/harness/launch.py: gpu_for_local_rank). HPCML_GPU_ORDER= (empty) turns it off.
+    if [[ -z ${HPCML_GPU_ORDER+set} && ${NERSC_HOST:-} == perlmutter && $gpus == 4 ]]; then
+        export HPCML_GPU_ORDER=3,2,1,0
     fi
     # NCCL_NET names the Slingshot plugin: make sure the job can load it, instead of failing in NCCL.
     if [[ -n ${NCCL_NET:-} && ($gpus =~ ^[1-9] || -n ${SLURM_GPUS_ON_NODE:-}) ]]; then
@@ -349,7 +362,8 @@ launch_recipe() {
     # What ran, at the top of every job log (a requeued job appends to the same log).
     echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)"
     echo "launch: runtime=$runtime image=$(describe_image "$image") master=$MASTER_ADDR:$MASTER_PORT commit=$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME FI_MR_CACHE_MONITOR=$FI_MR_CACHE_MONITOR"
+    echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_DEBUG=$NCCL_DEBUG NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME FI_MR_CACHE_MONITOR=$FI_MR_CACHE_MONITOR" \
+        "GPU order=${HPCML_GPU_ORDER:-(local rank l: GPU l)}"
     echo "launch: $(printf '%q ' "${command[@]}")"
     if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then
         return 0

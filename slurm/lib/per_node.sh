@@ -30,6 +30,21 @@ forward_to_ranks() {
     done
 }
 
+# HPCML_GPU_ORDER (slurm/lib/launch.sh) as the ranks' CUDA_VISIBLE_DEVICES, so that a launcher's local
+# rank l (which drives visible GPU l) gets GPU ORDER[l]; the ranks then see the order applied already.
+if [[ -n ${HPCML_GPU_ORDER:-} && -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    IFS=, read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
+    IFS=, read -r -a order <<<"$HPCML_GPU_ORDER"
+    if ((${#visible[@]} == ${#order[@]})); then
+        reordered=()
+        for index in "${order[@]}"; do reordered+=("${visible[index]}"); done
+        CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${reordered[*]}")
+        echo "per_node: $(hostname): CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES (HPCML_GPU_ORDER=$HPCML_GPU_ORDER)" >&2
+        export CUDA_VISIBLE_DEVICES
+        unset HPCML_GPU_ORDER
+    fi
+fi
+
 (
     trap '' USR1 TERM
     exec bash -c "$script" "$@"
