@@ -131,7 +131,7 @@ hadolint: venv
 	$(VENV)/bin/hadolint containers/*/Containerfile
 
 shellcheck:
-	shellcheck -x slurm/*.sh slurm/lib/*.sh tests/cluster/*.sh containers/*.sh .ci/run
+	shellcheck -x slurm/*.sh slurm/lib/*.sh tests/cluster/*.sh tests/cluster/*/*.sh tests/cluster/shifter/shifter* containers/*.sh .ci/run
 
 cluster-start:
 	bash tests/cluster/local_slurm.sh start

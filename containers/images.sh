@@ -52,9 +52,12 @@ cpu | cuda) ;;
 esac
 
 # The settings this project's CI machines need (runc, explicit ulimits), unless the user chose their own.
-if [[ -z ${CONTAINERS_CONF:-} ]] && command -v runc >/dev/null 2>&1; then
-    export CONTAINERS_CONF=$CONTAINERS_DIR/podman/containers.conf
-fi
+# Not for podman-hpc, which keeps its own podman configuration (its config home, site modules).
+use_ci_podman_settings() {
+    if [[ -z ${CONTAINERS_CONF:-} && $ENGINE == podman ]] && command -v runc >/dev/null 2>&1; then
+        export CONTAINERS_CONF=$CONTAINERS_DIR/podman/containers.conf
+    fi
+}
 
 choose_engine() {
     if [[ -n ${ENGINE:-} ]]; then
@@ -244,7 +247,7 @@ build_one() {
     rm -rf "$tmp"
     # podman-hpc: compute nodes see only squashed images; `podman-hpc pull` squashes, a build does not.
     if [[ $ENGINE == podman-hpc && " $LEAVES " == *" $image "* ]]; then
-        podman-hpc migrate "$name"
+        squash "$name"
     fi
     BUILT="$BUILT $image"
     say "built $name in $((SECONDS - start)) s"
@@ -348,10 +351,23 @@ cmd_pull() {
         case $ENGINE in
         shifter) shifterimg pull "docker:$ref" ;;
         docker) docker pull "$ref" ;;
+        # No docker:// here: podman-hpc squashes what it pulled by looking the name up as given, and a
+        # name with a transport matches nothing (the pull then succeeds, unsquashed, with exit code 0).
+        podman-hpc) podman-hpc pull --tls-verify="${TLS_VERIFY:-true}" "$ref" && squash "$ref" ;;
         *) "$ENGINE" pull --tls-verify="${TLS_VERIFY:-true}" "docker://$ref" ;;
         esac
         record_image "$image" "$ref"
     done
+}
+
+# podman-hpc: make sure IMAGE is in the squashed store, the only one compute nodes see. `podman-hpc
+# migrate` (and the migrate inside `podman-hpc pull`) exits 0 when it fails, so the store is asked.
+squash() {
+    local squashed=$REPO_DIR/slurm/lib/squashed_image.sh
+    bash "$squashed" "$1" || podman-hpc migrate "$1"
+    bash "$squashed" "$1" || die "podman-hpc could not squash $1 into ${SQUASH_DIR:-${SCRATCH:-\$SCRATCH}/storage}" \
+        "(podman-hpc migrate $1 printed why; is SCRATCH set and writable?)"
+    say "$1 is in podman-hpc's squashed store (what compute nodes see)"
 }
 
 # The sbatch files run the image a user pulled last (slurm/lib/launch.sh reads the same file): the name
@@ -406,12 +422,17 @@ main() {
     local command=${1:-}
     shift || true
     case $command in
-    build) ENGINE=$(choose_engine) && cmd_build "$@" ;;
-    push) ENGINE=$(choose_engine) && cmd_push "$@" ;;
-    pull) if [[ ${ENGINE:-} != shifter ]]; then ENGINE=$(choose_engine); fi && cmd_pull "$@" ;;
-    versions) ENGINE=$(choose_engine) && cmd_versions "$@" ;;
-    wheels) ENGINE=$(choose_engine) && cmd_wheels "$@" ;;
-    rootfs) ENGINE=$(choose_engine) && FLAVOR=cpu && make_rootfs ;;
+    build | push | versions | wheels | rootfs) ENGINE=$(choose_engine) ;;
+    pull) [[ ${ENGINE:-} == shifter ]] || ENGINE=$(choose_engine) ;;
+    esac
+    [[ -z ${ENGINE:-} ]] || use_ci_podman_settings
+    case $command in
+    build) cmd_build "$@" ;;
+    push) cmd_push "$@" ;;
+    pull) cmd_pull "$@" ;;
+    versions) cmd_versions "$@" ;;
+    wheels) cmd_wheels "$@" ;;
+    rootfs) FLAVOR=cpu && make_rootfs ;;
     pin-cuda-bases) cmd_pin_cuda_bases ;;
     *) sed -n '2,11s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2 && exit 2 ;;
     esac

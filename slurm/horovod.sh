@@ -10,8 +10,12 @@
 # One srun task per rank (one GPU each). By default the ranks form Horovod's world without MPI: rank 0
 # serves Horovod's rendezvous at the job's first node and the gloo controller coordinates the ranks, while
 # the tensors themselves go through NCCL on GPUs (recipes/horovod/horovod_launch.py). To use MPI as the
-# controller instead (Cray MPICH replacing the image's MPICH under Shifter/podman-hpc), submit with
-#   HOROVOD_CONTROLLER=mpi SLURM_MPI_TYPE=pmi2 sbatch slurm/horovod.sh     (Perlmutter: SLURM_MPI_TYPE=cray_shasta)
+# controller instead (Cray MPICH replacing the image's MPICH under Shifter), submit with
+#   HOROVOD_CONTROLLER=mpi SLURM_MPI_TYPE=pmi2 sbatch slurm/horovod.sh     (any cluster; bare or podman)
+#   HOROVOD_CONTROLLER=mpi SLURM_MPI_TYPE=cray_shasta sbatch --module=gpu,nccl-plugin,mpich slurm/horovod.sh
+# (Perlmutter). It needs a Horovod linked against the MPICH ABI: the cpu flavor, not the cuda one (NGC's
+# TensorFlow image links Open MPI); not under podman-hpc (its mpi module runs shared-run, where the ranks
+# never see the time-limit signal). The preflight refuses each of these with one line.
 # The image, once: `make pull-horovod REGISTRY=<registry> ENGINE=shifter|podman-hpc` (see slurm/ddp.sh).
 # Runtime, image and NCCL variables: slurm/lib/launch.sh.
 # Time limit and preemption: as slurm/ddp.sh (checkpoint at SIGUSR1, requeue, resume from the same RUN_DIR).

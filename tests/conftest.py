@@ -258,6 +258,71 @@ def cluster_user() -> ClusterUser:
     return ClusterUser(CLUSTER_USER, repo)
 
 
+PODMAN_HPC_INSTALL = REPO / "tests" / "cluster" / "podman-hpc" / "install.sh"
+PODMAN_HPC_PREFIX = Path("/opt/hpcml-podman-hpc")
+
+
+@pytest.fixture(scope="session")
+def podman_hpc_user(cluster_user) -> ClusterUser:
+    """The normal user with NERSC's podman-hpc (tests/cluster/podman-hpc/install.sh): rootless podman, their
+    squashed image store in $SCRATCH/storage, as on Perlmutter. Its SCRATCH is ~/scratch."""
+    with open(f"/tmp/{CLUSTER_USER}-podman-hpc.lock", "w") as lock:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        installed = run(["bash", str(PODMAN_HPC_INSTALL), "install", str(PODMAN_HPC_PREFIX)], timeout=900)
+        assert installed.returncode == 0, installed.stdout + installed.stderr
+        cluster_user.env.update(PATH=f"{PODMAN_HPC_PREFIX / 'bin'}:{cluster_user.env['PATH']}",
+                                PODMANHPC_CONFIG_FILE=str(PODMAN_HPC_PREFIX / "etc" / "podman_hpc.yaml"),
+                                SCRATCH=str(cluster_user.home / "scratch"))
+        configured = cluster_user.run(["bash", str(PODMAN_HPC_INSTALL), "user", str(PODMAN_HPC_PREFIX)], timeout=60)
+        assert configured.returncode == 0, configured.stdout + configured.stderr
+    return cluster_user
+
+
+def podman_hpc_migrate(user: ClusterUser, *images: str) -> None:
+    """The cpu images into the user's squashed store, and only there (a Perlmutter compute node sees no
+    other): root's image piped into `podman-hpc load` (as the user), migrated, the local copy removed.
+    Skipped for an image whose squashed copy has root's image ID already. `podman-hpc migrate` exits 0
+    when it fails, so the store itself is asked afterwards (slurm/lib/squashed_image.sh)."""
+    with open(f"/tmp/{CLUSTER_USER}-podman-hpc.lock", "w") as lock:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for image in images:
+            name = f"localhost/hpcml/{image}:cpu"
+            image_id = run(["podman", "image", "inspect", "--format", "{{.Id}}", name], env=container_env()).stdout.strip()
+            listed = user.run(["podman-hpc", "images", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}} {{.ReadOnly}}"])
+            assert listed.returncode == 0, listed.stderr
+            if re.search(rf"^(sha256:)?{image_id} {re.escape(name)} true$", listed.stdout, re.M):
+                continue
+            pipe_image_to_user(user, name, "podman-hpc", "load")
+            for step in (["migrate", name], ["rmi", name]):
+                done = user.run(["podman-hpc", *step], timeout=900)
+                assert done.returncode == 0, f"podman-hpc {' '.join(step)}: {done.stdout}{done.stderr}"
+            squashed = user.run(["bash", str(user.repo / "slurm" / "lib" / "squashed_image.sh"), name])
+            assert squashed.returncode == 0, f"{name} is not in {user.name}'s squashed store after podman-hpc migrate"
+
+
+def pipe_image_to_user(user: ClusterUser, name: str, *load: str) -> None:
+    """root's image ``name`` into one of the user's stores: `podman save NAME | <as the user> LOAD...`."""
+    user_env = [f"{key}={value}" for key, value in user.env.items()]
+    loaded = run(["bash", "-c", 'set -o pipefail; podman save "$1" | "${@:2}"', "_", name,
+                  *user.as_user, "env", "-i", *user_env, *load], env=container_env(), cwd=user.home, timeout=900)
+    assert loaded.returncode == 0, f"podman save {name} | {' '.join(load)}: {loaded.stdout}{loaded.stderr}"
+
+
+def podman_load_as_user(user: ClusterUser, *images: str) -> None:
+    """The cpu images into the user's own rootless podman store (skipped when root's image ID is there)."""
+    with open(f"/tmp/{CLUSTER_USER}-podman.lock", "w") as lock:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for image in images:
+            name = f"localhost/hpcml/{image}:cpu"
+            image_id = run(["podman", "image", "inspect", "--format", "{{.Id}}", name], env=container_env()).stdout.strip()
+            theirs = user.run(["podman", "image", "inspect", "--format", "{{.Id}}", name])
+            if theirs.returncode != 0 or theirs.stdout.strip() != image_id:
+                pipe_image_to_user(user, name, "podman", "load")
+
+
 def shifter_pull(*images: str) -> None:
     """The image gateway pulls these cpu images (as its admin, root), as `shifterimg pull` on Perlmutter."""
     for image in images:

@@ -110,3 +110,22 @@ def test_allreduce_check_runs_under_slurm_in_the_image(slurm_cluster, ddp_image,
     assert report["world_size"] == 2 and report["container"] == "podman" and report["transport"] == "gloo (CPU)"
     assert [r["bytes"] for r in report["results"]] == [262144, 1048576]
     assert all(r["correct"] and r["busbw_gbs"] > 0 for r in report["results"]) and report["problems"] == []
+
+
+@pytest.mark.slurm
+def test_podman_hpc_startup_benchmark_measures_both_ways_of_starting_ranks(slurm_cluster, ddp_image, podman_hpc_user, tmp_path):
+    """bench/podman_hpc_startup.py, as a normal user with NERSC's podman-hpc, one pair: start-up of one
+    container per rank against shared-run, and whether SIGUSR1 reaches the ranks. The launcher's choice
+    (`run`) must start every rank and pass the signal to every one; shared-run is measured, not judged."""
+    from conftest import podman_hpc_migrate
+
+    podman_hpc_migrate(podman_hpc_user, "ddp")
+    work = podman_hpc_user.work_dir(tmp_path)
+    result = podman_hpc_user.run(["/usr/bin/python3", "bench/podman_hpc_startup.py", "--image", "hpcml/ddp:cpu",
+                                  "--ranks", "2", "--repeats", "1", "--out", str(work)], env=slurm_cluster, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    bench = json.loads((work / "podman_hpc_startup.json").read_text())
+    assert bench["ranks"] == 2 and len(bench["run_seconds"]) == len(bench["shared_run_seconds"]) == 1
+    assert bench["shared_run_over_run"] == bench["shared_run_seconds"][0] / bench["run_seconds"][0]
+    assert bench["run_ranks_reported"] == [2] and bench["run_ranks_signalled"] == 2, bench
+    assert 0 <= bench["shared_run_ranks_signalled"] <= 2 and "shared-run / run start-up:" in result.stdout

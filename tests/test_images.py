@@ -147,6 +147,38 @@ def test_mpi_hello_and_which_libmpi_is_loaded(images, image):
         assert linked.count("/tmp/swap/libmpi.so.12") == 2, linked  # horovod.tensorflow and horovod.torch
 
 
+def test_horovods_controllers_and_the_mpi_its_mpi_controller_needs(images):
+    """The default launch (srun, the gloo controller) needs Horovod's gloo; HOROVOD_CONTROLLER=mpi needs its
+    MPI library to be the MPICH ABI (libmpi.so.12), which Cray MPICH replaces, and the recipe's preflight
+    must say so otherwise, in one line. The cpu flavor links libmpi.so.12; the cuda flavor is NGC's
+    TensorFlow image, whose Horovod links Open MPI (libmpi.so.40): check it where nvcr.io is reachable,
+    `HPCML_TEST_FLAVOR=cuda make test-images PYTEST_ARGS="-k horovods_controllers"` (not yet run there)."""
+    if "horovod" not in images:
+        pytest.skip("HPCML_TEST_IMAGES leaves out horovod")
+    flavor = os.environ.get("HPCML_TEST_FLAVOR", "cpu")
+    if flavor != "cpu":
+        built = run([*IMAGES_TOOL, "build", "horovod"], env=container_env(FLAVOR=flavor), timeout=3600)
+        assert built.returncode == 0, built.stderr[-4000:]
+    image, recipes = f"hpcml/horovod:{flavor}", "/opt/hpcml/recipes/horovod"
+    report = podman("run", "--rm", image, "python", "-c",
+                    f"import sys; sys.path.insert(0, '{recipes}'); import horovod_launch, horovod.tensorflow as hvd; "
+                    "print(hvd.gloo_built(), hvd.mpi_built(), *sorted(horovod_launch.horovod_mpi_libraries()))")
+    assert report.returncode == 0, report.stderr
+    gloo, mpi, *libraries = report.stdout.split()
+    assert gloo == "True", report.stdout  # srun's default launch uses the gloo controller
+    assert (mpi == "True") == bool(libraries), report.stdout
+    if flavor == "cpu":
+        assert libraries == ["libmpi.so.12"], report.stdout
+    preflight = podman("run", "--rm", "-e", "HOROVOD_CONTROLLER=mpi", image, "python", f"{recipes}/train.py",
+                       "--out-dir", "/tmp/run", "--preflight", "2")
+    if "libmpi.so.12" in libraries:
+        assert preflight.returncode == 0, preflight.stderr
+    else:
+        lines = preflight.stderr.strip().splitlines()
+        assert preflight.returncode == 2 and len(lines) == 1, preflight.stderr
+        assert lines[0].startswith("[horovod] error: HOROVOD_CONTROLLER=mpi, but this Horovod"), lines[0]
+
+
 BUILD_CA_BUNDLE = Path(os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt")
 CREDENTIAL_PATH = re.compile(r"(^|/)(\.netrc|\.pypirc|\.git-credentials|id_rsa|id_ed25519|\.docker/config\.json)$"
                              r"|^run/secrets/.|^wheels/.")

@@ -159,7 +159,9 @@ def test_podman_hpc_command():
     words = srun_line(result)
     assert words[3:8] == ["podman-hpc", "run", "--rm", "--network=host", "--ipc=host"]
     assert "--gpu" in words and "--nccl" in words
-    assert "--user" not in words  # podman-hpc maps the user itself
+    # Rootless: uid 0 inside is the submitting user outside (the image's USER 10001 would be a subordinate
+    # uid that can write nothing of theirs and read no squashed image; the podman-hpc matrix cells run it).
+    assert words[words.index("--user") + 1] == "0:0"
     assert ["-v", f"{REPO}:{REPO}"] == words[words.index("-v"):words.index("-v") + 2]
     # Each rank's own SLURM_PROCID and the step's variables (absent where the command is built) must
     # reach its container: podman takes them, by prefix, from each task's environment.
@@ -379,3 +381,16 @@ def test_the_nccl_check_sees_nccls_transport_lines():
     assert "NCCL_DEBUG=INFO " in dry_run("nccl_check.sh")
     assert "NCCL_DEBUG=WARN " in dry_run("ddp.sh")
 
+
+def test_horovods_mpi_controller_gets_cray_mpich_from_the_runtime_or_is_refused():
+    """HOROVOD_CONTROLLER=mpi relies on the runtime to put Cray MPICH in place of the image's MPICH: under
+    Shifter its mpich module must be among the job's modules (naming modules drops Shifter's defaults);
+    under podman-hpc the mpi module runs shared-run, where the time-limit signal never reaches a rank."""
+    job = dict(LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/horovod:v1", HOROVOD_CONTROLLER="mpi")
+    error = one_line_error(launch(CONTAINER_RUNTIME="shifter", SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin", **job))
+    assert "needs Shifter's mpich module" in error and "--module=gpu,nccl-plugin,mpich" in error, error
+    for modules in ("gpu,nccl-plugin,mpich", ""):  # named, or Shifter's defaults
+        assert launch(CONTAINER_RUNTIME="shifter", SLURM_SPANK_SHIFTER_MODULE=modules, **job).returncode == 0
+    error = one_line_error(launch(CONTAINER_RUNTIME="podman-hpc", **job))
+    assert "HOROVOD_CONTROLLER=mpi under podman-hpc" in error and "shared-run" in error, error
+    assert launch(CONTAINER_RUNTIME="podman-hpc", **{**job, "HOROVOD_CONTROLLER": "gloo"}).returncode == 0

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, TINY, build_images, job_nodes, job_state, losses, read_metrics, recipe_env, run, shifter_pull,
-                      submit_recipe)
+from conftest import (REPO, TINY, build_images, job_nodes, job_state, losses, podman_hpc_migrate, podman_load_as_user,
+                      read_metrics, recipe_env, run, shifter_pull, submit_recipe)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
 MATRIX = REPO / "tests" / "matrix.toml"
@@ -37,6 +37,9 @@ BARE_PYTHON = {"horovod": TF_PYTHON, "tf_mirrored": TF_PYTHON}
 # The backend each recipe must report (torch.distributed's gloo, unless the recipe is not torch.distributed).
 BACKEND = {"horovod": "horovod-gloo", "tf_mirrored": "MirroredStrategy/ReductionToOneDevice"}
 LOSS_RTOL = 1e-5
+RUNTIMES = ("shifter", "podman-hpc", "podman", "none")
+AS_USER = ("shifter", "podman-hpc")  # always submitted by a normal user, as on Perlmutter
+CONTAINER = {"shifter": "shifter", "podman-hpc": "podman", "podman": "podman"}  # what a rank inside sees
 IMAGE_PYTHON = "/opt/venv/bin/python3"
 # What each recipe must report from inside a run of more than one rank: the wrapper around the model, and
 # how its ranks were started (accelerate's per-node launcher speaks torchrun's protocol).
@@ -54,11 +57,14 @@ PARALLEL_RUN = {
 def load_cells() -> list[dict]:
     cells = tomllib.loads(MATRIX.read_text())["cell"]
     for cell in cells:
-        unknown = set(cell) - {"image", "recipe", "runtime", "image_from", "nodes", "tasks_per_node", "devices_per_task",
-                               "layout", "args", "expect"}
+        unknown = set(cell) - {"image", "recipe", "runtime", "image_from", "user", "nodes", "tasks_per_node",
+                               "devices_per_task", "layout", "args", "expect"}
         assert not unknown, f"matrix.toml: unknown keys {unknown} in {cell}"
         assert cell["expect"] in ("pass", "config-error"), cell
-        assert cell["runtime"] in ("shifter", "podman", "none"), cell
+        assert cell["runtime"] in RUNTIMES, cell
+        cell.setdefault("user", "normal" if cell["runtime"] in AS_USER else "root")
+        assert cell["user"] in ("normal", "root") and (cell["user"] == "normal" or cell["runtime"] not in AS_USER), cell
+        assert cell["user"] == "root" or cell["runtime"] != "none", cell  # (the bare runtime runs root's venvs)
         cell.setdefault("image_from", "sbatch" if cell["runtime"] == "shifter" else "env")
         assert cell["image_from"] in ("sbatch", "env", "recorded"), cell
         assert cell["image_from"] != "sbatch" or cell["runtime"] == "shifter", cell
@@ -68,7 +74,8 @@ def load_cells() -> list[dict]:
 
 
 def cell_id(cell: dict) -> str:
-    return (f"{cell['image']}-{cell['recipe']}-{cell['runtime']}-{cell['nodes']}x{cell['tasks_per_node']}-"
+    return (f"{cell['image']}-{cell['recipe']}-{cell['runtime']}{'-rootless' if cell['runtime'] == 'podman' and cell['user'] == 'normal' else ''}"
+            f"-{cell['nodes']}x{cell['tasks_per_node']}-"
             + ("" if cell["runtime"] == "none" or cell["image_from"] == "env" else f"image_{cell['image_from']}-")
             + f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else ""))
 
@@ -128,8 +135,9 @@ def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
         runtimes = {c["runtime"] for c in CELLS if c["recipe"] == recipe and c["expect"] == "pass"}
         assert {"podman", "none"} <= runtimes, f"recipe {recipe}: passing cells for {runtimes} only"
     families = {path.parent.name for path in (REPO / "containers").glob("*/Containerfile")} - {"base", "base-tf", "pytorch"}
-    under_shifter = {c["image"] for c in CELLS if c["runtime"] == "shifter" and c["expect"] == "pass"}
-    assert under_shifter == families, f"image families without a passing Shifter cell: {families - under_shifter}"
+    for runtime in AS_USER:
+        covered = {c["image"] for c in CELLS if c["runtime"] == runtime and c["expect"] == "pass"}
+        assert covered == families, f"image families without a passing {runtime} cell: {families - covered}"
     assert {c["image_from"] for c in CELLS if c["runtime"] == "shifter"} == {"sbatch", "env", "recorded"}
     for cell in CELLS:
         ranks = cell["nodes"] * cell["tasks_per_node"] * cell.get("devices_per_task", 1)
@@ -142,9 +150,14 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     args = [*RECIPE_BASE_ARGS.get(recipe, BASE_ARGS), *cell["args"]]
     image = f"hpcml/{cell['image']}:cpu"
     env, options, user, work = {"CONTAINER_RUNTIME": runtime}, [], None, tmp_path
-    if runtime == "shifter":  # a normal user, as every Perlmutter user, from their own checkout
-        user = request.getfixturevalue("cluster_user")
+    if cell["user"] == "normal":  # a normal user, as every Perlmutter user, from their own checkout
+        # (rootless podman needs what podman-hpc's set-up gives the user: /dev/fuse, host networking)
+        user = request.getfixturevalue("cluster_user" if runtime == "shifter" else "podman_hpc_user")
         work = user.work_dir(tmp_path)
+        if runtime == "podman-hpc":
+            podman_hpc_migrate(user, cell["image"])
+        elif runtime == "podman":  # rootless podman: the image in the user's own store
+            podman_load_as_user(user, cell["image"])
     if runtime == "none":
         if recipe in BARE_PYTHON:
             env["PYTHON"] = BARE_PYTHON[recipe]
@@ -194,7 +207,7 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     assert len(nodes) == cell["nodes"], nodes
     assert metrics["hostnames"] == [node for node in nodes for _ in range(cell["tasks_per_node"])]
     if runtime != "none":
-        assert metrics["container"] == runtime and metrics["python"] == IMAGE_PYTHON, metrics
+        assert metrics["container"] == CONTAINER[runtime] and metrics["python"] == IMAGE_PYTHON, metrics
     else:
         # (this test machine may itself be a container; what matters is that it is not the image)
         assert metrics["container"] not in ("podman", "shifter") and metrics["python"] != IMAGE_PYTHON, metrics

@@ -1,5 +1,6 @@
 """slurm/preflight.sh: the login-node check of a submission, run for real on the batch files (bare runtime,
-and Shifter through the local stand-in; the launcher's own checks are tested in tests/test_launch.py).
+Shifter through the local stand-in, NERSC's podman-hpc as a normal user; the launcher's own checks are
+tested in tests/test_launch.py).
 
 It must take the layout from the file's #SBATCH lines (or -N/-n), run every check the job would run before
 starting ranks, and answer 0, or 2 with one line, in seconds, without creating a run directory.
@@ -10,10 +11,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ddp_image, recipe_env, shifter_pull  # noqa: F401 (ddp_image: a fixture)
+from conftest import (REPO, base_image, container_env, ddp_image, pipe_image_to_user, podman_hpc_migrate,  # noqa: F401
+                      recipe_env, run, shifter_pull)
 
 PREFLIGHT = REPO / "slurm" / "preflight.sh"
 
@@ -81,3 +84,69 @@ def test_under_shifter_the_check_gets_the_image_as_the_job_would(shifter_ddp, cl
         "preflight: error: Shifter's image gateway has no hpcml/no-such:cpu: shifterimg pull docker:hpcml/no-such:cpu"
         " (sbatch would refuse the job)"], missing.stderr
     assert not (work / "run").exists()
+
+
+@pytest.mark.containers
+def test_under_podman_hpc_the_image_must_be_in_the_squashed_store(ddp_image, base_image, podman_hpc_user, tmp_path):
+    """As a user on a login node, with NERSC's podman-hpc: an image in the squashed store ($SCRATCH/storage,
+    all a compute node sees) passes, although `podman-hpc image exists` says it is not there (it never looks
+    in that store: the check answered exit 2 for every squashed image before); an image only in the login
+    node's local store is refused with the command that squashes it; an image without the recipe's
+    framework is refused in one line, not with Python's traceback."""
+    user = podman_hpc_user
+    podman_hpc_migrate(user, "ddp", "base")
+    assert user.run(["podman-hpc", "image", "exists", "hpcml/ddp:cpu"]).returncode == 1  # podman-hpc's blind spot
+    work = user.work_dir(tmp_path)
+    check = {"CONTAINER_RUNTIME": "podman-hpc", "RUN_DIR": str(work / "run")}
+
+    def preflight_as_user(image: str):
+        return user.run(["bash", "slurm/preflight.sh", "slurm/ddp.sh"], env={**check, "CONTAINER_IMAGE": image}, timeout=300)
+
+    result = preflight_as_user("hpcml/ddp:cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[ddp] preflight: options fit world size 8" in result.stdout and "launch: preflight passed" in result.stdout
+
+    wrong = preflight_as_user("hpcml/base:cpu")  # squashed, but no torch in it
+    assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [
+        "launch: error: recipes/ddp/train.py cannot import torch in the image hpcml/base:cpu: run it in the ddp image"
+        " (make pull-ddp ENGINE=podman-hpc REGISTRY=..., or CONTAINER_IMAGE=...)"], wrong.stderr
+
+    # Only in the local store (what a build or a plain `podman pull` leaves on the login node).
+    local_only = "localhost/hpcml-local-only/ddp:cpu"
+    assert run(["podman", "tag", "localhost/hpcml/base:cpu", local_only], env=container_env()).returncode == 0
+    try:
+        pipe_image_to_user(user, local_only, "podman-hpc", "load")
+        refused = preflight_as_user(local_only)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+            f"launch: error: image '{local_only}' is not in podman-hpc's squashed store ({user.home}/scratch/storage), the"
+            f" only one compute nodes see: make pull-ddp ENGINE=podman-hpc REGISTRY=..., or podman-hpc migrate {local_only}"
+        ], refused.stderr
+    finally:
+        user.run(["podman-hpc", "rmi", local_only], timeout=120)
+        run(["podman", "rmi", local_only], env=container_env())
+    assert not (work / "run").exists()
+
+
+def test_a_bare_python_without_the_framework_is_one_line(tmp_path):
+    """CONTAINER_RUNTIME=none with an interpreter that lacks torch (Debian's own python3 here): one line that
+    names the interpreter and the fix, exit 2, instead of Python's ModuleNotFoundError traceback."""
+    env = recipe_env(CONTAINER_RUNTIME="none", PYTHON="/usr/bin/python3", RUN_DIR=str(tmp_path / "run"))
+    result = subprocess.run(["bash", str(PREFLIGHT), "slurm/ddp.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("launch: error: recipes/ddp/train.py cannot import torch with PYTHON=/usr/bin/python3 "
+                               "(/usr/bin/python3) on "), lines[0]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_the_user_cannot_write_is_refused_as_a_permission_error(cluster_user, tmp_path):
+    """As a normal user (root can write anywhere, so only a user's check shows this): a RUN_DIR in a
+    directory they do not own is refused before anything starts, with the path and what to do."""
+    for run_dir in ("/root/hpcml-run", "/opt/hpcml-run"):  # root's home (mode 700); a system directory (755)
+        result = cluster_user.run(["bash", "slurm/preflight.sh", "slurm/ddp.sh"],
+                                  env={"CONTAINER_RUNTIME": "none", "RUN_DIR": run_dir}, timeout=60)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+            f"launch: error: cannot write to the run directory RUN_DIR={run_dir}: choose one you own (e.g. under $SCRATCH)"
+        ], result.stdout + result.stderr
+        assert not Path(run_dir).exists()

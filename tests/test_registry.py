@@ -1,5 +1,6 @@
 """Registry round trip: a real registry on 127.0.0.1, `make push-ddp`, a fresh image store, `make pull-ddp`,
-and a matrix cell run under Slurm from the pulled image only.
+and a matrix cell run under Slurm from the pulled image only; with podman, and with NERSC's podman-hpc as a
+normal user (the pulled image squashed, as compute nodes need it).
 
 The registry is Debian's docker-registry (the CNCF distribution server) with a minimal no-auth config,
 started and stopped by the tests. The pulled image goes to a separate, empty podman store
@@ -89,6 +90,38 @@ def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, ddp_im
     finally:
         run(["podman", "rmi", "--all", "--force"], env=container_env(**fresh), timeout=120)
         shutil.rmtree(store, ignore_errors=True)
+
+
+def test_podman_hpc_pull_squashes_the_image_and_a_users_job_runs_from_it(registry, slurm_cluster, ddp_image, podman_hpc_user, tmp_path):
+    """As a Perlmutter user would: `make pull-ddp ENGINE=podman-hpc` from their checkout puts the image into
+    the squashed store (all a compute node sees) and records it; their job then runs it with no image
+    named. (podman-hpc squashes a pulled image by its name as given: with a docker:// transport in front it
+    matched nothing, and the pull left the image unsquashed with exit code 0.)"""
+    pushed = make("push-ddp", REGISTRY=registry, TLS_VERIFY="false", ALLOW_DIRTY="1")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    user, reference = podman_hpc_user, f"{registry}/hpcml/ddp:cpu"
+    work = user.work_dir(tmp_path)
+    recorded = {"HPCML_IMAGES_FILE": str(work / "images")}
+    try:
+        pulled = user.run(["make", "--no-print-directory", "pull-ddp", f"REGISTRY={registry}", "TLS_VERIFY=false",
+                           "ENGINE=podman-hpc"], env=recorded, timeout=900)
+        assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+        assert f"{reference} is in podman-hpc's squashed store" in pulled.stderr, pulled.stderr
+        assert (work / "images").read_text() == f"ddp={reference}\n"
+        user.run(["podman-hpc", "rmi", reference], timeout=120)  # the login node's copy: compute nodes never see it
+        squashed = user.run(["bash", "slurm/lib/squashed_image.sh", reference])
+        assert squashed.returncode == 0, f"{reference} is not in the squashed store after make pull-ddp"
+
+        code, state, log = sbatch_recipe(slurm_cluster, work, "ddp", "-N", "2", "--ntasks-per-node", "1", user=user,
+                                         recipe_args=[*TINY, "--max-steps", "3", "--global-batch", "4", "--checkpoint-every", "0"],
+                                         CONTAINER_RUNTIME="podman-hpc", **recorded)  # no CONTAINER_IMAGE
+        assert (code, state) == (0, "COMPLETED"), log
+        assert f"image=docker:{reference} (from {work / 'images'})" in log
+        metrics = json.loads((work / "run" / "metrics.json").read_text())
+        assert metrics["world_size"] == 2 and metrics["container"] == "podman"
+        assert (work / "run" / "metrics.json").stat().st_uid == user.uid
+    finally:
+        user.run(["podman-hpc", "rmsqi", reference], timeout=120)  # the name only: the image is also hpcml/ddp:cpu
 
 
 def test_an_immutable_tag_is_never_overwritten(registry, base_image, tmp_path):

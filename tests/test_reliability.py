@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, job_nodes, losses, read_metrics, recipe_env, run,
-                      run_single, sbatch_recipe, submit_recipe)
+from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, job_nodes, losses, podman_hpc_migrate, read_metrics,
+                      recipe_env, run, run_single, sbatch_recipe, shifter_pull, submit_recipe)
 
 pytestmark = pytest.mark.slurm
 
@@ -182,13 +182,14 @@ def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_laun
 
 
 def signal_time_limit_and_wait_for_requeue(cluster: dict, tmp_path: Path, recipe: str, max_steps: int,
-                                           extra_args: tuple[str, ...] = (), **env: str) -> tuple[str, int, list[str]]:
-    """Submit slurm/<recipe>.sh on 2 nodes x 1 task, send SIGUSR1 once step 10 is logged (what
-    '#SBATCH --signal=USR1@T' does), wait for the job to requeue itself, then cancel it. Returns the log,
-    the step the ranks stopped after (checked to lie between 10 and max_steps) and the nodes Slurm ran it on."""
+                                           extra_args: tuple[str, ...] = (), user=None, **env: str) -> tuple[str, int, list[str]]:
+    """Submit slurm/<recipe>.sh on 2 nodes x 1 task (as ``user`` when given: tmp_path must be theirs), send
+    SIGUSR1 once step 10 is logged (what '#SBATCH --signal=USR1@T' does), wait for the job to requeue itself,
+    then cancel it. Returns the log, the step the ranks stopped after (checked to lie between 10 and
+    max_steps) and the nodes Slurm ran it on."""
     job = submit_recipe(cluster, tmp_path, recipe, "-N", "2", "--ntasks-per-node", "1",
                         recipe_args=["--seq-len", "32", "--max-steps", str(max_steps), "--checkpoint-every", "0",
-                                     "--log-every", "10", *extra_args], **env)[1]
+                                     "--log-every", "10", *extra_args], user=user, **env)[1]
     log_path = tmp_path / f"{recipe}-{job}.out"
     log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
     wait_for(lambda: re.search(rf"^\[{recipe}\] step +10 ", log(), re.M), 180, "training to start")
@@ -255,6 +256,27 @@ def test_horovod_time_limit_signal_checkpoints_and_requeues(slurm_cluster, tmp_p
     checkpoint = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
     assert json.loads((checkpoint / "meta.json").read_text())["step"] == step
     assert (checkpoint / "ckpt.index").exists()
+
+
+@pytest.mark.containers
+@pytest.mark.parametrize("runtime", ["shifter", "podman-hpc"])
+def test_time_limit_signal_reaches_the_ranks_in_perlmutters_runtimes(slurm_cluster, ddp_image, request, tmp_path, runtime):
+    """slurm/ddp.sh as a normal user, under the Shifter stand-in and NERSC's podman-hpc: Slurm's SIGUSR1
+    reaches every rank through the runtime, the ranks checkpoint and the job requeues itself. (One
+    container per rank: `podman-hpc run` execs podman, which passes signals to the rank. `podman-hpc
+    shared-run`, one container per node with the ranks exec'd into it, does not: its Python wrapper dies
+    of the signal and the ranks never see it, measured here; the launcher therefore uses `run`.)"""
+    user = request.getfixturevalue("podman_hpc_user" if runtime == "podman-hpc" else "cluster_user")
+    if runtime == "podman-hpc":
+        podman_hpc_migrate(user, "ddp")
+    else:
+        shifter_pull("ddp")
+    work = user.work_dir(tmp_path)
+    text, step, nodes = signal_time_limit_and_wait_for_requeue(slurm_cluster, work, "ddp", 4000, tuple(TINY[2:8]), user=user,
+                                                               CONTAINER_RUNTIME=runtime, CONTAINER_IMAGE=ddp_image[0])
+    assert f"launch: runtime={runtime} " in text and f"hosts={','.join(nodes)}" in text, text
+    checkpoint = work / "run" / "checkpoints" / f"step_{step:08d}.pt"
+    assert checkpoint.exists() and checkpoint.stat().st_uid == user.uid, text
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):

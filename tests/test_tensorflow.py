@@ -220,6 +220,33 @@ def test_slurm_task_layout_becomes_horovods_rank_layout():
     assert not os.environ.get("HOROVOD_CONTROLLER")  # (the checks above wrote into their own dicts)
 
 
+def test_the_mpi_controller_needs_a_horovod_built_against_the_mpich_abi(tmp_path):
+    """HOROVOD_CONTROLLER=mpi works where Cray MPICH can replace the image's MPI: a Horovod that links
+    libmpi.so.12 (the cpu flavor, built here). NGC's TensorFlow image (the cuda flavor) links Open MPI's
+    libmpi.so.40: refused in the preflight, with the controller that works (gloo). Checked on the real
+    Horovod build of .venv-tf, and on the sonames the cuda flavor's Horovod would report."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "recipes" / "horovod"))
+    import horovod_launch
+
+    check, mpi = horovod_launch.check_mpi_controller, {"HOROVOD_CONTROLLER": "mpi"}
+    check(mpi, {"libmpi.so.12"})
+    check({}, {"libmpi.so.40"})  # the gloo controller (the default) needs no MPI at all
+    with pytest.raises(horovod_launch.harness.ConfigError, match=r"this Horovod links libmpi\.so\.40 \(Open MPI"):
+        check(mpi, {"libmpi.so.40"})
+    with pytest.raises(horovod_launch.harness.ConfigError, match="this Horovod was built without MPI: unset HOROVOD_CONTROLLER"):
+        check(mpi, set())
+
+    real = run([str(TF_PYTHON), "-c", "import sys; sys.path.insert(0, sys.argv[1]); import horovod_launch; "
+                "print(*sorted(horovod_launch.horovod_mpi_libraries()))", str(REPO / "recipes" / "horovod")], env=tf_env())
+    assert real.returncode == 0 and real.stdout.split() == ["libmpi.so.12"], real.stdout + real.stderr
+    for recipe in (HOROVOD_TF, HOROVOD_TORCH):  # the preflight of both recipes asks
+        result = run([str(TF_PYTHON), str(recipe), "--out-dir", str(tmp_path), "--preflight", "2"],
+                     env=tf_env(HOROVOD_CONTROLLER="mpi"), timeout=120)
+        assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.slurm
 def test_srun_with_mpi_but_no_pmi_is_refused_not_trained_as_separate_worlds(slurm_cluster, tmp_path):
     """The silent fallback this catches: HOROVOD_CONTROLLER=mpi under srun without a PMI plugin gives every

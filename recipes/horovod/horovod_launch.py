@@ -11,6 +11,8 @@
   Horovod's gloo controller does the rest: the same code path as horovodrun, with srun as the launcher.
 
 ``prepare_world()`` must run before ``hvd.init()``; it returns the launcher's name for the logs.
+``check_mpi_controller()`` refuses HOROVOD_CONTROLLER=mpi with a Horovod that cannot use it (the preflight
+and every rank call it first).
 ``add_batch_options`` adds the batch and learning-rate options both Horovod recipes take, in Horovod's
 convention (the batch is per rank, the learning rate is scaled by the world size).
 """
@@ -59,6 +61,40 @@ def slot_layout(hosts: list[str], counts: list[int]) -> list[dict]:
                           "cross_rank": peers.index(host_index), "cross_size": len(peers), "size": size})
             rank += 1
     return slots
+
+
+def horovod_mpi_libraries() -> set[str]:
+    """The MPI libraries (sonames) this installation's Horovod extensions link, read from the files without
+    importing Horovod or the frameworks: empty when Horovod was built without MPI (or is not installed).
+    (Its extensions are called mpi_lib* whatever the controller; only an MPI build links libmpi.so.N.)"""
+    import importlib.util
+
+    spec = importlib.util.find_spec("horovod")
+    if spec is None or not spec.submodule_search_locations:
+        return set()
+    names: set[str] = set()
+    for location in spec.submodule_search_locations:
+        for library in Path(location).glob("*/mpi_lib*.so"):
+            names.update(match.decode() for match in re.findall(rb"libmpi\.so\.\d+", library.read_bytes()))
+    return names
+
+
+def check_mpi_controller(environ: dict | None = None, libraries: set[str] | None = None) -> None:
+    """HOROVOD_CONTROLLER=mpi needs a Horovod built with MPI against the MPICH ABI (libmpi.so.12): then
+    Cray MPICH (Shifter's mpich module, podman-hpc --mpi) replaces the image's MPICH and srun starts one
+    MPI world. NGC's TensorFlow image (the horovod image's cuda flavor) links Open MPI (libmpi.so.40),
+    which neither swap applies to: refused before any rank starts, with the controller that does work."""
+    env = os.environ if environ is None else environ
+    if env.get("HOROVOD_CONTROLLER") != "mpi":
+        return
+    libraries = horovod_mpi_libraries() if libraries is None else libraries
+    default = "unset HOROVOD_CONTROLLER: the default gloo controller starts with srun alone (NCCL still moves the tensors on GPUs)"
+    if not libraries:
+        raise harness.ConfigError(f"HOROVOD_CONTROLLER=mpi, but this Horovod was built without MPI: {default}")
+    if "libmpi.so.12" not in libraries:
+        raise harness.ConfigError(
+            f"HOROVOD_CONTROLLER=mpi, but this Horovod links {', '.join(sorted(libraries))} (Open MPI, as in NGC's "
+            f"TensorFlow image), not the MPICH ABI (libmpi.so.12) that Cray MPICH replaces under Shifter and podman-hpc: {default}")
 
 
 def prepare_world(environ: dict | None = None, rendezvous_timeout_s: float = 120.0) -> str:

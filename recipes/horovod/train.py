@@ -69,6 +69,7 @@ def must_match_to_resume(args: argparse.Namespace, world_size: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    horovod_launch.check_mpi_controller()
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         validate(args, args.preflight)
         latest, _ = harness.resume_dir(args, must_match_to_resume(args, args.preflight), state_file="meta.json")

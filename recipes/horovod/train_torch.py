@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_cfg = GPTConfig.from_args(args)
     must_match = lambda world_size: {"model_cfg": asdict(model_cfg), "global_batch": args.batch_per_rank * world_size}  # noqa: E731
+    horovod_launch.check_mpi_controller()
     if args.preflight is not None:
         validate(args, args.preflight)
         resume_from, _ = harness.resume_file(args, must_match(args.preflight))

@@ -138,10 +138,15 @@ choose_image() {
         launch_error "CONTAINER_RUNTIME=$runtime needs the ${family:-recipe} image: pull it once with" \
             "'make pull-${family:-IMAGE} REGISTRY=... ENGINE=$runtime' (it is recorded in $(images_file)), or $per_job"
     fi
-    if [[ $runtime == podman || $runtime == podman-hpc ]] && [[ ${LAUNCH_DRY_RUN:-0} != 1 ]] &&
-        ! "$runtime" image exists "${image#docker:}"; then
-        launch_error "image '${image#docker:}' is not in $runtime's local storage on $(hostname):" \
-            "build it (make build-$family) or pull it (make pull-$family ENGINE=$runtime REGISTRY=...)"
+    if [[ $runtime == podman && ${LAUNCH_DRY_RUN:-0} != 1 ]] && ! podman image exists "${image#docker:}"; then
+        launch_error "image '${image#docker:}' is not in podman's local storage on $(hostname):" \
+            "build it (make build-$family) or pull it (make pull-$family ENGINE=podman REGISTRY=...)"
+    fi
+    # podman-hpc: a compute node sees the squashed store ($SCRATCH/storage) only, never the login node's
+    # local one; `make pull-IMAGE ENGINE=podman-hpc` and `podman-hpc migrate` put images there.
+    if [[ $runtime == podman-hpc && ${LAUNCH_DRY_RUN:-0} != 1 ]] && ! bash "$REPO_DIR/slurm/lib/squashed_image.sh" "$image"; then
+        launch_error "image '${image#docker:}' is not in podman-hpc's squashed store (${SQUASH_DIR:-${SCRATCH:-\$SCRATCH}/storage}), the" \
+            "only one compute nodes see: make pull-$family ENGINE=podman-hpc REGISTRY=..., or podman-hpc migrate ${image#docker:}"
     fi
     # Shifter starts only images its gateway has pulled (an ID was resolved at submission already).
     if [[ $runtime == shifter && $image == docker:* && ${LAUNCH_DRY_RUN:-0} != 1 ]] &&
@@ -207,12 +212,20 @@ build_command() {
         ;;
     podman | podman-hpc)
         cmd+=("$runtime" run --rm --network=host --ipc=host)
-        # podman-hpc maps the user and adds the GPUs and the Slingshot/NCCL libraries itself. Plain podman
-        # runs the ranks as the submitting user, as Shifter does, so what they write belongs to that user.
         if [[ $runtime == podman-hpc ]]; then
-            cmd+=(--gpu --nccl)
+            # podman-hpc adds the GPUs and the Slingshot/NCCL libraries (its gpu and nccl modules). It runs
+            # rootless: uid 0 in the container is the submitting user outside, any other uid (the image's
+            # USER 10001) a subordinate id that can neither write the user's RUN_DIR nor read an image from
+            # the squashed store (squashfuse mounts belong to the user: runc fails with "stat ...: operation
+            # not supported"). `--userns keep-id` fails there too ("creating /etc/mtab symlink").
+            cmd+=(--gpu --nccl --user 0:0)
+        elif (($(id -u) == 0)); then
+            cmd+=(--user 0:0) # podman as root: the ranks as root, not the image's USER, writing root's RUN_DIR
         else
-            cmd+=(--user "$(id -u):$(id -g)")
+            # Rootless podman: keep-id maps the submitting user to the same uid inside, and --user runs the
+            # ranks as that uid (not the image's USER), so what they write is theirs, as under Shifter. (--user
+            # alone would be a subordinate uid outside; keep-id alone, the image's user.)
+            cmd+=(--userns=keep-id --user "$(id -u):$(id -g)")
         fi
         # Same paths inside as outside, so logs, checkpoints and metrics land where the user looks: the
         # repository, the working directory, the run directory and CONTAINER_MOUNTS. Anything a rank
@@ -302,6 +315,23 @@ check_allocation() {
             ;;
         esac
     fi
+    # Horovod's MPI controller: MPI must be Cray MPICH, put in place of the image's MPICH by the runtime.
+    if [[ ${HOROVOD_CONTROLLER:-} == mpi ]]; then
+        case $runtime in
+        shifter)
+            # Naming modules replaces Shifter's defaults: mpich must then be named too.
+            [[ -z ${SLURM_SPANK_SHIFTER_MODULE:-} || ,$SLURM_SPANK_SHIFTER_MODULE, == *,mpich,* ]] || launch_error \
+                "HOROVOD_CONTROLLER=mpi needs Shifter's mpich module (Cray MPICH in place of the image's):" \
+                "submit with --module=$SLURM_SPANK_SHIFTER_MODULE,mpich, or unset HOROVOD_CONTROLLER (gloo needs no MPI)"
+            ;;
+        podman-hpc)
+            # NERSC's podman-hpc turns `run --mpi` into shared-run, whose ranks never see Slurm's signals.
+            launch_error "HOROVOD_CONTROLLER=mpi under podman-hpc: its mpi module runs the ranks in one container per node" \
+                "(shared-run), where they never receive the time-limit signal; unset HOROVOD_CONTROLLER (gloo needs" \
+                "no MPI), or use Shifter (--module=gpu,nccl-plugin,mpich)"
+            ;;
+        esac
+    fi
     local dir
     for dir in ${CONTAINER_MOUNTS:-}; do
         [[ $dir == /* && -d $dir ]] || launch_error "CONTAINER_MOUNTS: '$dir' is not an existing absolute directory"
@@ -318,10 +348,33 @@ find_on_library_path() {
 
 # The recipe checks its own options for this world size (and the checkpoint it would resume), in the
 # runtime, on the batch node: seconds, instead of every rank failing after start-up.
+# Its own error (exit 2) is one line already; a recipe that cannot even import its framework (the wrong image,
+# a bare Python without it) gets one line here instead of Python's traceback.
 recipe_preflight() {
+    local runtime=$1 image=$2 recipe=$3 output status=0 module
     local -a check
-    build_command check "$1" "$2" "$REPO_DIR/$3" "${@:4}" --preflight "${SLURM_NTASKS:-1}"
-    "${check[@]}"
+    build_command check "$runtime" "$image" "$REPO_DIR/$recipe" "${@:4}" --preflight "${SLURM_NTASKS:-1}"
+    output=$("${check[@]}" 2>&1) || status=$?
+    case $status in
+    0) [[ -z $output ]] || echo "$output" ;;
+    2) [[ -z $output ]] || echo "$output" >&2 ;;
+    *)
+        module=$(sed -n "s/^ModuleNotFoundError: No module named '\([^']*\)'.*/\1/p" <<<"$output" | tail -n 1)
+        if [[ -n $module && $runtime == none ]]; then
+            echo "launch: error: $recipe cannot import $module with PYTHON=${PYTHON:-python3}" \
+                "($(command -v "${PYTHON:-python3}" || echo not found)) on $(hostname): load the environment that has" \
+                "it, or run in the image (CONTAINER_RUNTIME=shifter, podman-hpc or podman)" >&2
+        elif [[ -n $module ]]; then
+            echo "launch: error: $recipe cannot import $module in the image ${image#*:}: run it in the" \
+                "$(image_family "$recipe") image (make pull-$(image_family "$recipe") ENGINE=$runtime REGISTRY=...," \
+                "or CONTAINER_IMAGE=...)" >&2
+        else
+            echo "$output" >&2
+            echo "launch: error: the recipe's own check ($(basename "$recipe") --preflight) failed with exit code $status, above" >&2
+        fi
+        ;;
+    esac
+    return "$status"
 }
 
 launch_recipe() {
