@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -84,8 +87,12 @@ def losses(metrics: dict) -> list[float]:
 
 
 def max_relative_difference(a: list[float], b: list[float]) -> float:
-    """Largest per-step relative difference of two loss curves of the same length."""
+    """Largest per-step relative difference of two loss curves of the same length; infinite where either
+    is not a finite number (max() skips a NaN it meets after the first element: a curve that went NaN
+    midway would pass a parity check)."""
     assert len(a) == len(b) and a, (a, b)
+    if not all(math.isfinite(x) for x in (*a, *b)):
+        return math.inf
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
@@ -228,6 +235,19 @@ class ClusterUser:
         return run([*self.as_user, *cmd], env={**self.env, **kwargs.pop("env", {})}, **kwargs)
 
 
+def copy_checkout(destination: Path) -> None:
+    """This checkout as it is (tracked and new files, uncommitted changes included; no venvs or runs) and its
+    .git, so that a job log started from the copy names the commit."""
+    listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO)
+    assert listed.returncode == 0, listed.stderr
+    for name in filter(None, listed.stdout.split("\0")):
+        source = REPO / name
+        if source.is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / name)
+    shutil.copytree(REPO / ".git", destination / ".git", symlinks=True)
+
+
 @pytest.fixture(scope="session")
 def cluster_user() -> ClusterUser:
     """The normal user, with a fresh copy of this checkout (its tracked and new files) in their home.
@@ -237,21 +257,13 @@ def cluster_user() -> ClusterUser:
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
     repo = home / "checkouts" / run_id[:12]
     with open(f"/tmp/{CLUSTER_USER}.lock", "w") as lock:
-        import fcntl
         fcntl.flock(lock, fcntl.LOCK_EX)
         if run(["id", "-u", CLUSTER_USER]).returncode != 0:
             created = run(["useradd", "--create-home", "--shell", "/bin/bash", CLUSTER_USER])
             assert created.returncode == 0, created.stderr
         if not (repo / ".done").exists():
             shutil.rmtree(home / "checkouts", ignore_errors=True)  # a last run's
-            listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO)
-            assert listed.returncode == 0, listed.stderr
-            for name in filter(None, listed.stdout.split("\0")):
-                source = REPO / name
-                if source.is_file():
-                    (repo / name).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(source, repo / name)
-            shutil.copytree(REPO / ".git", repo / ".git", symlinks=True)  # so the job log names the commit
+            copy_checkout(repo)
             (repo / ".done").touch()
             owned = run(["chown", "-R", f"{CLUSTER_USER}:{CLUSTER_USER}", str(home)])
             assert owned.returncode == 0, owned.stderr
@@ -266,9 +278,7 @@ PODMAN_HPC_PREFIX = Path("/opt/hpcml-podman-hpc")
 def podman_hpc_user(cluster_user) -> ClusterUser:
     """The normal user with NERSC's podman-hpc (tests/cluster/podman-hpc/install.sh): rootless podman, their
     squashed image store in $SCRATCH/storage, as on Perlmutter. Its SCRATCH is ~/scratch."""
-    with open(f"/tmp/{CLUSTER_USER}-podman-hpc.lock", "w") as lock:
-        import fcntl
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with podman_hpc_store_lock():
         installed = run(["bash", str(PODMAN_HPC_INSTALL), "install", str(PODMAN_HPC_PREFIX)], timeout=900)
         assert installed.returncode == 0, installed.stdout + installed.stderr
         cluster_user.env.update(PATH=f"{PODMAN_HPC_PREFIX / 'bin'}:{cluster_user.env['PATH']}",
@@ -279,14 +289,21 @@ def podman_hpc_user(cluster_user) -> ClusterUser:
     return cluster_user
 
 
+@contextlib.contextmanager
+def podman_hpc_store_lock():
+    """Held while a test changes the user's podman-hpc stores (or needs them not to change): the test workers
+    share that user."""
+    with open(f"/tmp/{CLUSTER_USER}-podman-hpc.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def podman_hpc_migrate(user: ClusterUser, *images: str) -> None:
     """The cpu images into the user's squashed store, and only there (a Perlmutter compute node sees no
     other): root's image piped into `podman-hpc load` (as the user), migrated, the local copy removed.
     Skipped for an image whose squashed copy has root's image ID already. `podman-hpc migrate` exits 0
     when it fails, so the store itself is asked afterwards (slurm/lib/squashed_image.sh)."""
-    with open(f"/tmp/{CLUSTER_USER}-podman-hpc.lock", "w") as lock:
-        import fcntl
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with podman_hpc_store_lock():
         for image in images:
             name = f"localhost/hpcml/{image}:cpu"
             image_id = run(["podman", "image", "inspect", "--format", "{{.Id}}", name], env=container_env()).stdout.strip()
@@ -313,7 +330,6 @@ def pipe_image_to_user(user: ClusterUser, name: str, *load: str) -> None:
 def podman_load_as_user(user: ClusterUser, *images: str) -> None:
     """The cpu images into the user's own rootless podman store (skipped when root's image ID is there)."""
     with open(f"/tmp/{CLUSTER_USER}-podman.lock", "w") as lock:
-        import fcntl
         fcntl.flock(lock, fcntl.LOCK_EX)
         for image in images:
             name = f"localhost/hpcml/{image}:cpu"

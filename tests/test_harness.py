@@ -155,3 +155,30 @@ def test_a_gpu_order_that_is_not_a_permutation_is_refused(order):
 def test_cpu_lists_are_written_as_taskset_writes_them():
     from harness.launch import cpu_list
     assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8" and cpu_list([3]) == "3"
+
+
+def test_a_checkpoint_directory_with_a_missing_or_short_file_is_refused(tmp_path):
+    from harness.checkpoint import check_manifest, write_manifest
+
+    checkpoint = tmp_path / "step_00000002"
+    (checkpoint / "shards").mkdir(parents=True)
+    (checkpoint / "shards" / "rank0.pt").write_bytes(b"x" * 100)
+    (checkpoint / "state.json").write_text("{}")
+    write_manifest(checkpoint)
+    check_manifest(checkpoint)  # whole
+    (checkpoint / "shards" / "rank0.pt").write_bytes(b"x" * 60)
+    with pytest.raises(harness.ConfigError, match=r"is damaged: shards/rank0.pt has 60 bytes where 100 were written; "
+                                                  r"move .*step_00000002 away"):
+        check_manifest(checkpoint)
+    (checkpoint / "shards" / "rank0.pt").unlink()
+    with pytest.raises(harness.ConfigError, match="is damaged: shards/rank0.pt is missing"):
+        check_manifest(checkpoint)
+
+
+def test_the_parity_comparison_fails_a_curve_that_went_nan():
+    """max() skips a NaN it meets after the first element: the tests' comparison must not."""
+    from conftest import max_relative_difference
+
+    assert max_relative_difference([1.0, 2.0], [1.0, 2.0]) == 0.0
+    assert max_relative_difference([1.0, float("nan")], [1.0, 2.0]) == float("inf")
+    assert max_relative_difference([1.0, 2.0], [1.0, float("inf")]) == float("inf")

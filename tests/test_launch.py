@@ -394,3 +394,23 @@ def test_horovods_mpi_controller_gets_cray_mpich_from_the_runtime_or_is_refused(
     error = one_line_error(launch(CONTAINER_RUNTIME="podman-hpc", **job))
     assert "HOROVOD_CONTROLLER=mpi under podman-hpc" in error and "shared-run" in error, error
     assert launch(CONTAINER_RUNTIME="podman-hpc", **{**job, "HOROVOD_CONTROLLER": "gloo"}).returncode == 0
+
+
+def test_requeues_stop_at_the_limit_and_a_bad_limit_is_refused(tmp_path):
+    """At the time-limit checkpoint the job requeues itself, until it was restarted LAUNCH_MAX_REQUEUES times:
+    then one line says so and nothing is requeued (scontrol here is a stand-in that records its calls)."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n')
+    scontrol.chmod(0o755)
+    def requeue(restarts: str, limit: str):
+        script = f'source "{REPO}/slurm/lib/launch.sh"; SLURM_JOB_ID=42 SLURM_RESTART_COUNT={restarts} LAUNCH_MAX_REQUEUES={limit} requeue_job'
+        return run(["bash", "-c", script], env=recipe_env(PATH=f"{tmp_path}:/usr/bin:/bin"), timeout=30)
+    below = requeue("2", "3")
+    assert below.returncode == 0 and "requeueing job 42 (restart 3)" in below.stdout
+    assert (tmp_path / "calls").read_text() == "requeue 42\n"
+    at_limit = requeue("3", "3")
+    assert at_limit.returncode == 0 and at_limit.stderr.strip() == (
+        "launch: error: job 42 was requeued 3 times (LAUNCH_MAX_REQUEUES=3): not again; resubmit it, or raise the time limit")
+    assert (tmp_path / "calls").read_text() == "requeue 42\n"  # not called again
+    error = one_line_error(launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", LAUNCH_MAX_REQUEUES="ten"))
+    assert "LAUNCH_MAX_REQUEUES=ten is not a number of requeues" in error

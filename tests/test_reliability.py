@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, job_nodes, losses, podman_hpc_migrate, read_metrics,
-                      recipe_env, run, run_single, sbatch_recipe, shifter_pull, submit_recipe)
+from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, container_env, copy_checkout, job_nodes, job_state,
+                      losses, podman_hpc_migrate, read_metrics, recipe_env, run, run_single, sbatch_recipe, shifter_pull,
+                      submit_recipe)
 
 pytestmark = pytest.mark.slurm
 
@@ -145,6 +146,51 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_on_the_same_curve(sl
     assert [r["step"] for r in metrics["history"]] == list(range(1, 401))
     # Same layout, same reductions: the interrupted curve is the uninterrupted one.
     assert losses(metrics) == losses(read_metrics(reference_dir / "run"))
+
+
+@pytest.mark.parametrize("runtime", ["none", pytest.param("podman", marks=pytest.mark.containers)])
+def test_paths_with_spaces_work(slurm_cluster, request, tmp_path, runtime):
+    """A checkout, a submission directory, a RUN_DIR and a CONTAINER_MOUNTS entry with spaces in their paths:
+    the job runs (bare and in a container) and writes where it was told. (CONTAINER_MOUNTS separates its
+    entries with spaces, so a mount with a space is given through a symlink without one.)"""
+    checkout = tmp_path / "my checkout"
+    copy_checkout(checkout)
+    data = tmp_path / "data set"
+    data.mkdir()
+    (tmp_path / "data-link").symlink_to(data)
+    env = {"CONTAINER_RUNTIME": runtime, "RUN_DIR": str(tmp_path / "run dir"), "CONTAINER_MOUNTS": str(tmp_path / "data-link")}
+    if runtime == "podman":
+        env["CONTAINER_IMAGE"] = request.getfixturevalue("ddp_image")[0]
+    result = run(["sbatch", "--parsable", "--wait", "-t", "5", "-N", "1", "--ntasks-per-node", "2", "-o",
+                  str(tmp_path / "%x-%j.out"), "slurm/ddp.sh", *TINY, "--global-batch", "4", "--max-steps", "2"],
+                 env=container_env(**slurm_cluster, **env), cwd=checkout, timeout=420)
+    job = result.stdout.strip().split(";")[0]
+    log = (tmp_path / f"ddp-{job}.out").read_text()
+    assert result.returncode == 0 and job_state(job) == "COMPLETED", log
+    assert read_metrics(tmp_path / "run dir")["world_size"] == 2
+    assert f"-v {str(tmp_path / 'run dir').replace(' ', chr(92) + ' ')}:" in log or runtime == "none", log
+
+
+def test_a_second_job_in_the_same_run_directory_is_refused(slurm_cluster, tmp_path):
+    """Two jobs writing one RUN_DIR would overwrite each other's checkpoints: while the first trains, a second
+    job (and the login-node check) with the same RUN_DIR is refused with one line naming the first; the first
+    is untouched. (A requeued job, the same job again, gets its directory back: the time-limit test above.)"""
+    first = submit(slurm_cluster, tmp_path, "-N", "1", "--ntasks-per-node", "1", recipe_args=LONG_RUN)
+    try:
+        wait_for(lambda: started_training(tmp_path, first), 120, "the first job to train")
+        second_dir = tmp_path / "second"
+        second_dir.mkdir()
+        code, state, log = sbatch_recipe(slurm_cluster, second_dir, "ddp", "-N", "1", "--ntasks-per-node", "1",
+                                         recipe_args=LONG_RUN, RUN_DIR=str(tmp_path / "run"))
+        assert (code, state) == (2, "FAILED"), log
+        errors = [line for line in log.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith(f"launch: error: RUN_DIR={tmp_path / 'run'} is in use by job {first} "), log
+        check = run(["bash", str(REPO / "slurm" / "preflight.sh"), "-N", "1", "-n", "1", "slurm/ddp.sh"], cwd=REPO,
+                    env=recipe_env(CONTAINER_RUNTIME="none", RUN_DIR=str(tmp_path / "run"), PYTHON=sys.executable), timeout=120)
+        assert check.returncode == 2 and f"is in use by job {first} " in check.stderr, check.stderr
+        assert final_state(first) is None  # still running
+    finally:
+        run(["scancel", first], env=recipe_env(**slurm_cluster))
 
 
 @pytest.mark.parametrize("runtime", ["none", pytest.param("podman", marks=pytest.mark.containers)])

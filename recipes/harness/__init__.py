@@ -8,7 +8,8 @@
     metrics     rank 0's step lines, metrics.json, TensorBoard events, FLOPs per token and peak (MFU)
     checkpoint  atomic checkpoint files and directories; which checkpoint a rerun resumes
     signals     SIGUSR1/SIGTERM: stop after the step, checkpoint, leave the stop marker
-    run         TrainingRun: the step range, checkpoint cadence, the stop agreement and the end of a run
+    run         TrainingRun: the step range, checkpoint cadence, the stop agreement and the end of a run;
+                the optimizer of --optimizer (adamw, or sgd for the parity tests)
 
 Recipes put ``recipes/`` on ``sys.path`` and ``import harness``; the names below are the ones they use.
 No module imports PyTorch or TensorFlow at import time (the TensorFlow recipes load no torch).
@@ -21,7 +22,8 @@ from .checkpoint import (
     TRAINER_STATE,
 )
 from .cli import (
-    add_data_options, add_gpt_options, add_run_options, ConfigError, main_entry, new_parser,
+    add_data_options, add_gpt_options, add_optimizer_option, add_run_options, add_test_break_option, ConfigError,
+    main_entry, new_parser,
     parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible,
     require_positive, stderr_line, tensorboard_dir, validate_run,
 )
@@ -32,11 +34,12 @@ from .launch import (
     mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed,
 )
 from .metrics import describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, transformer_flops_per_token
-from .run import TrainingRun
+from .run import torch_optimizer, TrainingRun
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
 __all__ = [
-    "add_data_options", "add_gpt_options", "add_run_options", "all_hostnames", "atomic_write_bytes",
+    "add_data_options", "add_gpt_options", "add_optimizer_option", "add_run_options", "add_test_break_option",
+    "all_hostnames", "atomic_write_bytes",
     "check_expected_world_size", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV", "default_master_port",
     "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV",
     "gpu_for_local_rank", "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "leave_process_group",
@@ -47,5 +50,5 @@ __all__ = [
     "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
     "save_sharded_checkpoint", "setup_torch_distributed", "staging_checkpoint_dir", "start_metrics",
     "stderr_line", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir",
-    "TRAINER_STATE", "TrainingRun", "transformer_flops_per_token", "validate_run",
+    "torch_optimizer", "TRAINER_STATE", "TrainingRun", "transformer_flops_per_token", "validate_run",
 ]

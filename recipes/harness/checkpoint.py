@@ -8,8 +8,10 @@ Two layouts, both under OUT_DIR/checkpoints:
   history and what must match to resume): written into ``.step_XXXXXXXX.partial`` and renamed by rank 0
   once every rank has finished (``save_sharded_checkpoint``, ``save_checkpoint_dir``; ``resume_dir``).
 
-A directory or file under the published name is therefore always complete; a crash leaves the previous one
-as the one a rerun resumes. Only the newest ``keep`` (2) are kept.
+A directory or file under the published name is therefore always complete when published; a crash leaves
+the previous one as the one a rerun resumes. Only the newest ``keep`` (2) are kept. A directory also lists
+its files and their sizes (``manifest.json``): a shard the file system lost or cut short later is refused
+before any rank starts, with the checkpoint to move away, instead of failing deep in the framework's loader.
 """
 
 from __future__ import annotations
@@ -172,6 +174,37 @@ def latest_checkpoint_dir(directory: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+MANIFEST = "manifest.json"
+
+
+def write_manifest(checkpoint: Path) -> None:
+    """Every file of a checkpoint directory and its size, as written (rank 0, after every rank finished)."""
+    files = {p.relative_to(checkpoint).as_posix(): p.stat().st_size
+             for p in sorted(checkpoint.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    atomic_write_bytes(checkpoint / MANIFEST, json.dumps(files, indent=0).encode())
+
+
+def check_manifest(checkpoint: Path) -> None:
+    """A published checkpoint is whole: every file its manifest lists is there, at the size written. A shard
+    the file system lost or cut short (a full quota, a node lost mid-flush) is otherwise found deep inside the
+    framework's loader, on every rank, as a stack trace. (Checkpoints from before manifests are not checked.)"""
+    manifest = checkpoint / MANIFEST
+    if not manifest.exists():
+        return
+    try:
+        files = json.loads(manifest.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read {manifest} ({type(error).__name__}): move {checkpoint} away to resume "
+                          "from the checkpoint before it, or use --no-resume") from None
+    for name, size in files.items():
+        path = checkpoint / name
+        found = path.stat().st_size if path.is_file() else None
+        if found != size:
+            what = "is missing" if found is None else f"has {found} bytes where {size} were written"
+            raise ConfigError(f"the checkpoint {checkpoint} is damaged: {name} {what}; move {checkpoint} away to "
+                              "resume from the checkpoint before it, or use --no-resume")
+
+
 def save_sharded_checkpoint(directory: Path, step: int, write_shards: Callable[[Path], None], state: dict, *,
                             writes_state: bool, is_rank0: bool, barrier: Callable[[], None]) -> Path:
     """Every rank: ``write_shards(staging_dir)`` writes its part of the framework's checkpoint; the rank that
@@ -186,6 +219,7 @@ def save_sharded_checkpoint(directory: Path, step: int, write_shards: Callable[[
         atomic_write_bytes(staging / TRAINER_STATE, json.dumps({"step": step, **state}).encode())
     barrier()
     if is_rank0:
+        write_manifest(staging)
         publish_checkpoint_dir(directory, step)
     return directory / f"step_{step:08d}"
 
@@ -198,6 +232,7 @@ def save_checkpoint_dir(directory: Path, step: int, write_files: Callable[[Path]
     staging.mkdir(parents=True, exist_ok=True)
     write_files(staging)
     atomic_write_bytes(staging / state_file, json.dumps({"step": step, **meta}).encode())
+    write_manifest(staging)
     return publish_checkpoint_dir(directory, step, keep)
 
 
@@ -214,6 +249,7 @@ def resume_dir(args, must_match: dict, state_file: str = TRAINER_STATE) -> tuple
         raise ConfigError(f"cannot read {latest / state_file} ({type(error).__name__}): "
                           f"move {latest} away, or use --no-resume") from None
     _refuse_other_settings(latest, state, must_match)
+    check_manifest(latest)
     return latest, state
 
 

@@ -10,6 +10,7 @@ stopping, logging; ``add_data_options``; for the stack's GPT ``add_gpt_options``
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tomllib
 from pathlib import Path
@@ -80,6 +81,26 @@ def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout:
                    help="only check the options (and a checkpoint to resume) for this many ranks, then exit")
 
 
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def add_optimizer_option(p: argparse.ArgumentParser, default: str = "adamw") -> None:
+    """--optimizer adamw|sgd (run.torch_optimizer builds it for the PyTorch recipes)."""
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=default,
+                   help="adamw (no weight decay), or plain SGD at --lr: Adam is nearly blind to a gradient of the "
+                        "wrong scale, SGD is not (the parity tests train with sgd)")
+
+
+def add_test_break_option(p: argparse.ArgumentParser, needs_ranks: dict[str, str], other: dict[str, str] | None = None) -> None:
+    """--test-break NAME: a step of the recipe done wrong on purpose, so that a test can show that its check
+    catches it (a negative control). Each dict: name -> what goes wrong; ``needs_ranks``: the breaks of the
+    parallelism itself (refused for one process, where they would change nothing or mean nothing)."""
+    breaks = {**needs_ranks, **(other or {})}
+    p.add_argument("--test-break", choices=list(breaks), default=None,
+                   help="TESTS ONLY, wrong on purpose: " + "; ".join(f"{name}: {what}" for name, what in breaks.items()))
+    p.set_defaults(test_breaks_needing_ranks=tuple(needs_ranks))
+
+
 def add_data_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--seq-len", type=int, default=64)
@@ -112,9 +133,11 @@ def require_at_least_one(args: argparse.Namespace, *names: str) -> None:
 
 
 def require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Positive and finite (argparse's float() takes "inf" and "nan")."""
     for name in names:
-        if not getattr(args, name) > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive finite number, got {value}")
 
 
 def require_divisible(what: str, value: int, divisor: int, by: str, option: str = "--global-batch") -> None:
@@ -129,14 +152,23 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
     ``world_size`` ranks (None: not known yet), before any rank starts. ``framework`` "tensorflow": its
     TensorBoard writer (tf.summary) needs no package of its own."""
     require_at_least_one(args, "max_steps", "log_every", "seq_len", "vocab_size")
+    if world_size is not None and world_size < 1:  # --preflight 0, or a launcher that says so
+        raise ConfigError(f"the world size must be at least 1 rank, got {world_size}")
     if hasattr(args, "n_embd"):  # add_gpt_options
         require_at_least_one(args, "n_layer", "n_head", "n_embd")
         if args.n_embd % args.n_head:
             raise ConfigError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if getattr(args, "skip_grad_allreduce", False) and world_size == 1:
         raise ConfigError("--skip-grad-allreduce only means something with more than one rank")
+    if getattr(args, "test_break", None) in getattr(args, "test_breaks_needing_ranks", ()) and world_size == 1:
+        raise ConfigError(f"--test-break {args.test_break} only means something with more than one rank")
     if hasattr(args, "timeout_s"):
         require_positive(args, "timeout_s")
+    if args.peak_tflops is not None:
+        require_positive(args, "peak_tflops")
+    for option, path in (("--out-dir", Path(args.out_dir)), ("--tensorboard", tensorboard_dir(args))):
+        if path is not None and path.exists() and not path.is_dir():
+            raise ConfigError(f"{option} {path} exists and is not a directory: name a directory (it is created if missing)")
     if args.checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every must be 0 (only at the end) or more, got {args.checkpoint_every}")
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:

@@ -85,3 +85,12 @@ class TrainingRun:
             print(f"[{self.recipe}] stopped by {signame} after step {self.last_step}: checkpoint written; "
                   "run again with the same --out-dir to continue (slurm/ files requeue the job themselves)", flush=True)
         return 0
+
+
+def torch_optimizer(parameters, name: str, lr: float):
+    """The optimizer of --optimizer (cli.add_optimizer_option): AdamW without weight decay, or plain SGD."""
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=lr)
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)

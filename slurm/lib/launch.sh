@@ -240,6 +240,9 @@ build_command() {
             fi
         done
         cmd+=(-w "$PWD")
+        # The job's containers carry its id: `podman ps --filter label=io.hpcml.job=ID` on a node, and
+        # `podman events` afterwards, find them (the tests count them there).
+        cmd+=(--label "io.hpcml.job=${SLURM_JOB_ID:-none}")
         # Prefixes: podman reads the matching variables from each task's own environment when its
         # container starts, so every rank gets its own SLURM_PROCID and the step's SLURM_STEP_* (which the
         # batch script, where this command is built, does not have).
@@ -284,6 +287,9 @@ check_allocation() {
     local runtime=$1
     if [[ -n ${MASTER_PORT:-} ]] && ! [[ $MASTER_PORT =~ ^[0-9]+$ && $MASTER_PORT -ge 1024 && $MASTER_PORT -le 65535 ]]; then
         launch_error "MASTER_PORT=$MASTER_PORT is not a port number between 1024 and 65535: unset it (one is derived from the job id)"
+    fi
+    if ! [[ ${LAUNCH_MAX_REQUEUES:-10} =~ ^[0-9]+$ ]]; then
+        launch_error "LAUNCH_MAX_REQUEUES=$LAUNCH_MAX_REQUEUES is not a number of requeues (0 or more): unset it (default 10)"
     fi
     # One rank per GPU: more tasks than GPUs on a node would share devices (or fail in NCCL much later).
     local gpus=${SLURM_GPUS_PER_NODE:-} tasks=${SLURM_TASKS_PER_NODE:-}
@@ -354,7 +360,7 @@ recipe_preflight() {
     local runtime=$1 image=$2 recipe=$3 output status=0 module
     local -a check
     build_command check "$runtime" "$image" "$REPO_DIR/$recipe" "${@:4}" --preflight "${SLURM_NTASKS:-1}"
-    output=$("${check[@]}" 2>&1) || status=$?
+    output=$(without_run_dir_lock "${check[@]}" 2>&1) || status=$?
     case $status in
     0) [[ -z $output ]] || echo "$output" ;;
     2) [[ -z $output ]] || echo "$output" >&2 ;;
@@ -421,10 +427,11 @@ launch_recipe() {
     if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then
         return 0
     fi
+    [[ -z ${RUN_DIR:-} ]] || claim_run_dir
     if [[ ${LAUNCH_PREFLIGHT:-1} == 1 ]]; then
         if ! recipe_preflight "$runtime" "$image" "$recipe" "$@"; then
             # The recipe's own line above says what to change; leave nothing behind.
-            ((created_run_dir)) && rmdir "$RUN_DIR" 2>/dev/null
+            ((created_run_dir)) && rm -f "$RUN_DIR/$RUN_DIR_LOCK_FILE" && rmdir "$RUN_DIR" 2>/dev/null
             exit 2
         fi
     fi
@@ -435,7 +442,7 @@ launch_recipe() {
     fi
 
     local status=0
-    "${command[@]}" || status=$?
+    without_run_dir_lock "${command[@]}" || status=$?
     if ((status == 0)) && [[ -n ${RUN_DIR:-} && -f $RUN_DIR/stopped_by_signal ]]; then
         if [[ $(<"$RUN_DIR/stopped_by_signal") == SIGUSR1* ]]; then
             rm -f "$RUN_DIR/stopped_by_signal"
@@ -446,6 +453,40 @@ launch_recipe() {
             "line above names the rank that failed first" >&2
     fi
     return "$status"
+}
+
+# One job per run directory: two jobs writing the same checkpoints and metrics would ruin both runs. The batch
+# script holds a lock on RUN_DIR/.hpcml-job.lock while it lives (a requeued job, the same id, finds it free
+# again: the old batch script is gone); the preflight only looks. The file names the job that holds it.
+RUN_DIR_LOCK_FILE=.hpcml-job.lock
+claim_run_dir() {
+    local lock=$RUN_DIR/$RUN_DIR_LOCK_FILE status=0 holder
+    if [[ ${LAUNCH_PREFLIGHT_ONLY:-0} == 1 ]]; then
+        [[ -e $lock ]] || return 0
+        exec {RUN_DIR_LOCK}<"$lock"
+    else
+        exec {RUN_DIR_LOCK}>>"$lock"
+    fi
+    flock -n -E 75 "$RUN_DIR_LOCK" || status=$?
+    if ((status == 75)); then
+        holder=$(head -n 1 "$lock" 2>/dev/null) || true
+        launch_error "RUN_DIR=$RUN_DIR is in use by ${holder:-another job}, which would overwrite this one's" \
+            "checkpoints (and this one its): choose another RUN_DIR, or wait for that job to end (squeue --me)"
+    elif ((status != 0)); then
+        echo "launch: warning: cannot lock $lock (this file system has no flock): nothing stops a second job" \
+            "from writing into RUN_DIR at the same time" >&2
+    fi
+    if [[ ${LAUNCH_PREFLIGHT_ONLY:-0} == 1 ]]; then
+        exec {RUN_DIR_LOCK}<&-
+    else
+        echo "job $SLURM_JOB_ID (started $(date '+%F %T') on $(hostname))" >"$lock"
+    fi
+}
+
+# "$@" without the lock's descriptor: a daemon it leaves behind (a container runtime's monitor) must not hold
+# the lock past the job.
+without_run_dir_lock() {
+    if [[ -n ${RUN_DIR_LOCK:-} ]]; then "$@" {RUN_DIR_LOCK}>&-; else "$@"; fi
 }
 
 # The recipe checkpointed at Slurm's time-limit warning (SIGUSR1, '#SBATCH --signal=USR1@…') and left
