@@ -66,6 +66,13 @@ def build_model(cfg: TokenModelConfig, seed: int) -> tf.keras.Model:
     return tf.keras.Model(tokens, logits, name="token_model")
 
 
+def optimizer(name: str, lr: float) -> tf.keras.optimizers.Optimizer:
+    """--optimizer (harness.add_optimizer_option): adamw is Keras' Adam (no weight decay), sgd plain SGD."""
+    import tensorflow as tf
+
+    return tf.keras.optimizers.SGD(learning_rate=lr) if name == "sgd" else tf.keras.optimizers.Adam(learning_rate=lr)
+
+
 def flops_per_token(model: tf.keras.Model) -> float:
     """Training FLOPs per token: 6 x the weights of the matmul layers (the embedding is a lookup)."""
     import tensorflow as tf

@@ -5,6 +5,10 @@ Reference: 1 plain process on the global batch of 8. Parallel: `accelerate launc
 launcher slurm/accelerate.sh uses), 2 gloo ranks, 2 micro-batches of 2 rows per rank and step (gradient
 accumulation). Tolerance: relative difference of the per-step loss <= 1e-5 over 6 steps (float32
 reductions in another order); parameters bitwise identical across ranks (checked inside the run).
+Optimizer: plain SGD (lr 1.0), which a gradient of the wrong scale cannot pass. Negative controls, each
+caught by the same comparison with a margin of 100x the tolerance or more: the all-reduce skipped, the
+ranks' gradients summed instead of averaged, the micro-batches' gradients summed instead of averaged; and a
+resume that restores the weights but not the optimizer state (AdamW), caught by the resume comparison.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from conftest import REPO, TINY, assert_ok, free_port, losses, max_relative_diff
 RECIPE = REPO / "recipes" / "accelerate" / "train.py"
 MULTI_GPU_CONFIG = REPO / "recipes" / "accelerate" / "multi_gpu.yaml"
 STEPS = [*TINY, "--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
+SGD = [*STEPS, "--optimizer", "sgd", "--lr", "1.0"]
+ADAMW = [*STEPS, "--lr", "0.01"]  # the resume tests: Adam's moments are what a resume must restore
 LOSS_RTOL = 1e-5
 
 
@@ -31,7 +37,7 @@ def accelerate_launch(out_dir, nproc: int, *args: str, launcher_args: tuple[str,
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    assert_ok(run([sys.executable, str(RECIPE), "--out-dir", str(out), *STEPS], env=recipe_env()))
+    assert_ok(run([sys.executable, str(RECIPE), "--out-dir", str(out), *SGD], env=recipe_env()))
     metrics = read_metrics(out)
     assert metrics["world_size"] == 1 and metrics["model_wrapper"] == "GPT" and metrics["distributed_type"] == "NO"
     return metrics
@@ -40,10 +46,17 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("two")
-    result = accelerate_launch(out, 2, *STEPS, "--grad-accum", "2", "--launch-config", str(MULTI_GPU_CONFIG),
+    result = accelerate_launch(out, 2, *SGD, "--grad-accum", "2", "--launch-config", str(MULTI_GPU_CONFIG),
                                HPCML_EXPECTED_WORLD_SIZE="2")
     assert_ok(result)
     return result, read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def straight_adamw(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight-adamw")
+    assert_ok(accelerate_launch(out, 2, *ADAMW, "--grad-accum", "2"))
+    return read_metrics(out)
 
 
 def test_two_processes_match_one(reference, two_processes):
@@ -58,29 +71,38 @@ def test_two_processes_match_one(reference, two_processes):
     assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
 
 
-def test_resume_from_saved_state_continues_the_same_curve(two_processes, tmp_path):
-    _, straight = two_processes
-    first = accelerate_launch(tmp_path, 2, *STEPS, "--grad-accum", "2", "--stop-at-step", "3")
+@pytest.mark.parametrize("defect", [None, "resume-fresh-optimizer"])
+def test_resume_from_saved_state_continues_the_same_curve(straight_adamw, tmp_path, defect):
+    """AdamW, whose moments a resume must restore; the control resumes without them and must be caught."""
+    first = accelerate_launch(tmp_path, 2, *ADAMW, "--grad-accum", "2", "--stop-at-step", "3")
     assert_ok(first)
     assert read_metrics(tmp_path)["last_step"] == 3
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
 
-    second = accelerate_launch(tmp_path, 2, *STEPS, "--grad-accum", "2")
+    second = accelerate_launch(tmp_path, 2, *ADAMW, "--grad-accum", "2", *(["--test-break", defect] if defect else []))
     assert_ok(second)
     assert "resumed from" in second.stdout and "(step 3)" in second.stdout
     resumed = read_metrics(tmp_path)
     assert resumed["resumed_from_step"] == 3
     assert [r["step"] for r in resumed["history"]] == [1, 2, 3, 4, 5, 6]
-    assert losses(resumed) == losses(straight)  # same weights, optimizer state and data position: to the bit
+    if defect is None:  # same weights, optimizer state and data position: to the bit
+        assert losses(resumed) == losses(straight_adamw)
+    else:
+        assert losses(resumed)[:3] == losses(straight_adamw)[:3]
+        assert max_relative_difference(losses(resumed)[3:], losses(straight_adamw)[3:]) > 100 * LOSS_RTOL
 
 
-def test_negative_control_unsynchronised_gradients_are_caught(reference, tmp_path):
-    result = accelerate_launch(tmp_path, 2, *STEPS, "--skip-grad-allreduce")
-    assert result.returncode != 0
-    assert "parameters differ across ranks" in result.stderr
+@pytest.mark.parametrize("control", [["--skip-grad-allreduce"], ["--test-break", "grad-sum", "--grad-accum", "2"],
+                                     ["--test-break", "accum-sum", "--grad-accum", "2"]])
+def test_negative_controls_are_caught(reference, tmp_path, control):
+    result = accelerate_launch(tmp_path, 2, *SGD, *control)
     metrics = read_metrics(tmp_path)
-    assert metrics["param_max_abs_diff_across_ranks"] > 0.0
     assert max_relative_difference(losses(metrics), losses(reference)) > 100 * LOSS_RTOL
+    if control == ["--skip-grad-allreduce"]:  # the ranks' models drift apart: the run itself fails
+        assert result.returncode != 0 and "parameters differ across ranks" in result.stderr
+        assert metrics["param_max_abs_diff_across_ranks"] > 0.0
+    else:  # every rank applies the same wrong gradient: only the comparison with one process sees it
+        assert_ok(result)
 
 
 def test_a_launch_that_starts_one_process_instead_of_two_is_refused(tmp_path):

@@ -4,6 +4,11 @@ Reference: 1 plain process (no process group, no DDP wrapper) on the global batc
 Parallel: 2 gloo ranks under torchrun, each on 4 rows of the same global batch.
 Tolerance: relative difference of the per-step loss <= 1e-5 (float32 reductions in another order), over
 6 steps; parameters bitwise identical across ranks (checked inside the run) and within 1e-5 of the reference.
+Optimizer: plain SGD (lr 1.0), which a gradient of the wrong scale cannot pass (Adam, nearly invariant to a
+uniform scale of the gradients, would hide a sum-instead-of-mean all-reduce); and AdamW, the default.
+Negative controls, each caught by the same comparison with a margin of at least 100x the tolerance: the
+all-reduce skipped (the ranks' parameters also drift apart, and the run says so), and the gradients summed
+over the ranks instead of averaged (measured here: 8e-3, 800x).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 from conftest import assert_ok, losses, max_relative_difference, read_metrics, run_single, run_torchrun
 
 STEPS = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "0", "--no-resume"]
+OPTIMIZERS = {"sgd": ["--optimizer", "sgd", "--lr", "1.0"], "adamw": ["--optimizer", "adamw"]}
 LOSS_RTOL = 1e-5
 
 
@@ -23,17 +29,21 @@ def final_params(out_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    assert_ok(run_single(out, *STEPS))
-    metrics = read_metrics(out)
-    assert metrics["world_size"] == 1 and metrics["model_wrapper"] == "GPT"
-    return out, metrics
+def references(tmp_path_factory) -> dict:
+    runs = {}
+    for name, options in OPTIMIZERS.items():
+        out = tmp_path_factory.mktemp(f"reference-{name}")
+        assert_ok(run_single(out, *STEPS, *options))
+        metrics = read_metrics(out)
+        assert metrics["world_size"] == 1 and metrics["model_wrapper"] == "GPT"
+        runs[name] = out, metrics
+    return runs
 
 
-def test_two_ranks_match_one_process(reference, tmp_path):
-    ref_dir, ref = reference
-    result = run_torchrun(tmp_path, 2, *STEPS)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_two_ranks_match_one_process(references, tmp_path, optimizer):
+    ref_dir, ref = references[optimizer]
+    result = run_torchrun(tmp_path, 2, *STEPS, *OPTIMIZERS[optimizer])
     assert_ok(result)
     metrics = read_metrics(tmp_path)
 
@@ -53,12 +63,16 @@ def test_two_ranks_match_one_process(reference, tmp_path):
         torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_negative_control_unsynchronised_gradients_are_caught(reference, tmp_path):
-    """Same run with DDP's gradient all-reduce skipped: the comparison above must fail, loudly."""
-    _, ref = reference
-    result = run_torchrun(tmp_path, 2, *STEPS, "--skip-grad-allreduce")
-    assert result.returncode != 0
-    assert "parameters differ across ranks" in result.stderr
+@pytest.mark.parametrize("control", ["--skip-grad-allreduce", "--test-break=grad-sum"])
+def test_negative_controls_are_caught(references, tmp_path, control):
+    """The same SGD run, wrong on purpose: the comparison above must fail, by far."""
+    _, ref = references["sgd"]
+    result = run_torchrun(tmp_path, 2, *STEPS, *OPTIMIZERS["sgd"], control)
     metrics = read_metrics(tmp_path)
-    assert metrics["param_max_abs_diff_across_ranks"] > 0.0
     assert max_relative_difference(losses(metrics), losses(ref)) > 100 * LOSS_RTOL
+    if control == "--skip-grad-allreduce":  # the ranks' models drift apart: the run itself fails
+        assert result.returncode != 0 and "parameters differ across ranks" in result.stderr
+        assert metrics["param_max_abs_diff_across_ranks"] > 0.0
+    else:  # every rank applies the same (summed) gradient: only the comparison with one process sees it
+        assert_ok(result)
+        assert metrics["param_max_abs_diff_across_ranks"] == 0.0

@@ -4,6 +4,11 @@ checkpoint-resume reproduces the later losses, and the checks catch a wrong resu
 Reference: 1 process, ZeRO-0, global batch 8. Parallel: 2 gloo ranks under torchrun (ZeRO-3 also with 2
 micro-batches per step). Tolerance: relative difference of the per-step loss <= 1e-5 over 6 steps; full
 parameters bitwise identical across ranks (ZeRO-3: gathered first), checked inside the run.
+Optimizer: plain SGD (lr 1.0; the config's AdamW would hide a gradient of the wrong scale). Negative
+controls, each caught by the same comparison with a margin of 100x the tolerance or more: ZeRO-0 without
+the all-reduce; for each of ZeRO 1, 2 and 3 the ranks' gradients summed instead of averaged; ZeRO-3's
+micro-batches summed instead of averaged. The resume (ZeRO-2, the config's AdamW) is compared to the bit,
+and a resume without the optimizer shards must fail that comparison.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from conftest import REPO, TINY, assert_ok, free_port, losses, max_relative_diff
 
 RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 STEPS = [*TINY, "--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
+SGD = [*STEPS, "--optimizer", "sgd", "--lr", "1.0"]
+ADAMW = [*STEPS, "--lr", "0.01"]  # the resume tests: Adam's moments are what a resume must restore
 LOSS_RTOL = 1e-5
 
 
@@ -36,7 +43,7 @@ def assert_one_line_error(result, *fragments: str) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    assert_ok(run([sys.executable, str(RECIPE), "--out-dir", str(out), "--zero-stage", "0", *STEPS], env=recipe_env()))
+    assert_ok(run([sys.executable, str(RECIPE), "--out-dir", str(out), "--zero-stage", "0", *SGD], env=recipe_env()))
     metrics = read_metrics(out)
     assert metrics["world_size"] == 1 and metrics["zero_stage"] == 0
     return metrics
@@ -45,7 +52,14 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero2_two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero2")
-    assert_ok(torchrun(out, 2, "--zero-stage", "2", *STEPS, HPCML_EXPECTED_WORLD_SIZE="2"))
+    assert_ok(torchrun(out, 2, "--zero-stage", "2", *SGD, HPCML_EXPECTED_WORLD_SIZE="2"))
+    return read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def zero2_adamw(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero2-adamw")
+    assert_ok(torchrun(out, 2, "--zero-stage", "2", *ADAMW))
     return read_metrics(out)
 
 
@@ -66,12 +80,12 @@ def test_zero2_matches_one_process(reference, zero2_two_ranks):
 
 @pytest.mark.parametrize("stage, grad_accum", [(1, 1), (3, 2)])
 def test_zero_stage_matches_one_process(reference, tmp_path, stage, grad_accum):
-    assert_ok(torchrun(tmp_path, 2, "--zero-stage", str(stage), "--grad-accum", str(grad_accum), *STEPS))
+    assert_ok(torchrun(tmp_path, 2, "--zero-stage", str(stage), "--grad-accum", str(grad_accum), *SGD))
     check_parallel_run(read_metrics(tmp_path), reference, stage, grad_accum)
 
 
-def test_checkpoint_resume_reproduces_later_losses(zero2_two_ranks, tmp_path):
-    assert_ok(torchrun(tmp_path, 2, "--zero-stage", "2", *STEPS, "--stop-at-step", "3"))
+def test_checkpoint_resume_reproduces_later_losses(zero2_adamw, tmp_path):
+    assert_ok(torchrun(tmp_path, 2, "--zero-stage", "2", *ADAMW, "--stop-at-step", "3"))
     assert read_metrics(tmp_path)["last_step"] == 3
     checkpoints = tmp_path / "checkpoints"
     # (DeepSpeed also puts its converters to a plain state dict there: zero_to_fp32.py and friends)
@@ -79,26 +93,41 @@ def test_checkpoint_resume_reproduces_later_losses(zero2_two_ranks, tmp_path):
     # Each rank wrote its own ZeRO-2 optimizer shard.
     assert len(list((checkpoints / "step_00000003").glob("*optim_states.pt"))) == 2
 
-    second = torchrun(tmp_path, 2, "--zero-stage", "2", *STEPS)
+    second = torchrun(tmp_path, 2, "--zero-stage", "2", *ADAMW)
     assert_ok(second)
     assert "resumed from" in second.stdout and "(step 3)" in second.stdout
     resumed = read_metrics(tmp_path)
     assert resumed["resumed_from_step"] == 3
-    assert losses(resumed) == losses(zero2_two_ranks)
+    assert losses(resumed) == losses(zero2_adamw)
 
     # The shards fit ZeRO-2 on 2 ranks only: another stage is refused before any rank starts.
-    refused = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), "--zero-stage", "3", *STEPS,
+    refused = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), "--zero-stage", "3", *ADAMW,
                    "--preflight", "2"], env=recipe_env(), timeout=120)
     assert_one_line_error(refused, "holds ZeRO-2 shards of 2 ranks; this run is ZeRO-3 on 2")
 
 
-def test_negative_control_unsynchronised_gradients_are_caught(reference, tmp_path):
-    result = torchrun(tmp_path, 2, "--zero-stage", "0", *STEPS, "--skip-grad-allreduce")
-    assert result.returncode != 0
-    assert "parameters differ across ranks" in result.stderr
+def test_a_resume_without_the_optimizer_shards_is_caught(zero2_adamw, tmp_path):
+    assert_ok(torchrun(tmp_path, 2, "--zero-stage", "2", *ADAMW, "--stop-at-step", "3"))
+    assert_ok(torchrun(tmp_path, 2, "--zero-stage", "2", *ADAMW, "--test-break", "resume-fresh-optimizer"))
+    resumed, straight = losses(read_metrics(tmp_path)), losses(zero2_adamw)
+    assert resumed[:3] == straight[:3] and max_relative_difference(resumed[3:], straight[3:]) > 100 * LOSS_RTOL
+
+
+@pytest.mark.parametrize("stage, control", [
+    (0, ["--skip-grad-allreduce"]),
+    (1, ["--test-break", "grad-sum"]), (2, ["--test-break", "grad-sum"]), (3, ["--test-break", "grad-sum"]),
+    (3, ["--test-break", "accum-sum", "--grad-accum", "2"]),
+])
+def test_negative_controls_are_caught(reference, tmp_path, stage, control):
+    result = torchrun(tmp_path, 2, "--zero-stage", str(stage), *SGD, *control)
     metrics = read_metrics(tmp_path)
-    assert metrics["param_max_abs_diff_across_ranks"] > 0.0
+    assert metrics["zero_stage"] == stage
     assert max_relative_difference(losses(metrics), losses(reference)) > 100 * LOSS_RTOL
+    if control == ["--skip-grad-allreduce"]:  # the ranks' models drift apart: the run itself fails
+        assert result.returncode != 0 and "parameters differ across ranks" in result.stderr
+        assert metrics["param_max_abs_diff_across_ranks"] > 0.0
+    else:  # every rank applies the same wrong gradient: only the comparison with one process sees it
+        assert_ok(result)
 
 
 def ds_config_file(tmp_path, **changes) -> str:
@@ -123,3 +152,23 @@ def test_bad_deepspeed_settings_are_refused_before_any_rank_starts(tmp_path, wor
                   "--preflight", str(world_size)], env=recipe_env(), timeout=120)
     assert_one_line_error(result, *fragments)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_truncated_shard_is_refused_before_any_rank_starts(tmp_path):
+    """The newest checkpoint with one rank's optimizer shard cut short (a full quota, a node lost mid-flush):
+    refused by the check slurm/lib/launch.sh runs before any rank, one line naming the file; moved away, the
+    run resumes from the checkpoint before it."""
+    assert_ok(torchrun(tmp_path, 2, "--zero-stage", "2", *STEPS, "--stop-at-step", "3"))
+    newest = tmp_path / "checkpoints" / "step_00000003"
+    shard = max(newest.rglob("*optim_states.pt"), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as file:
+        file.truncate(size // 2)
+    refused = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), "--zero-stage", "2", *STEPS,
+                   "--preflight", "2"], env=recipe_env(), timeout=120)
+    assert_one_line_error(refused, f"the checkpoint {newest} is damaged: {shard.relative_to(newest)} has {size // 2} "
+                          f"bytes where {size} were written; move {newest} away")
+    newest.rename(tmp_path / "damaged-step-3")
+    resumed = torchrun(tmp_path, 2, "--zero-stage", "2", *STEPS)
+    assert_ok(resumed)
+    assert "(step 2)" in resumed.stdout and read_metrics(tmp_path)["resumed_from_step"] == 2

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, TINY, build_images, job_nodes, job_state, losses, podman_hpc_migrate, podman_load_as_user,
-                      read_metrics, recipe_env, run, shifter_pull, submit_recipe)
+from conftest import (REPO, TINY, build_images, container_env, job_nodes, job_state, losses, podman_hpc_migrate,
+                      podman_load_as_user, read_metrics, recipe_env, run, shifter_pull, submit_recipe)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
 MATRIX = REPO / "tests" / "matrix.toml"
@@ -31,6 +31,12 @@ BASE_ARGS = [*TINY, "--max-steps", "4", "--checkpoint-every", "0"]
 # small Keras model (their defaults are tiny already).
 SHORT_RUN = ["--seq-len", "32", "--log-every", "1", "--max-steps", "4", "--checkpoint-every", "0"]
 RECIPE_BASE_ARGS = {"megatron_tp_pp": SHORT_RUN, "horovod": SHORT_RUN, "tf_mirrored": SHORT_RUN}
+# Every cell trains with plain SGD, at a learning rate where a gradient of the wrong scale (a sum for a mean)
+# moves the loss by 100x the tolerance or more (tests/test_ddp_parity.py and friends measure it): Adam would
+# hide it. (Megatron: no norm clip, which would hide it too; Horovod: per rank, used x world size.)
+SGD = ["--optimizer", "sgd", "--lr", "1.0"]
+RECIPE_SGD = {"megatron_tp_pp": [*SGD, "--clip-grad", "0"], "fsdp_tp_pp": ["--optimizer", "sgd", "--lr", "0.3"],
+              "horovod": ["--optimizer", "sgd", "--lr", "10"], "tf_mirrored": ["--optimizer", "sgd", "--lr", "20"]}
 # The TensorFlow recipes run bare in their own venv (make venv-tf), not in the PyTorch one.
 TF_PYTHON = str(REPO / ".venv-tf" / "bin" / "python")
 BARE_PYTHON = {"horovod": TF_PYTHON, "tf_mirrored": TF_PYTHON}
@@ -52,6 +58,20 @@ PARALLEL_RUN = {
     "horovod": {"model_wrapper": "DistributedGradientTape", "launcher": "srun (gloo controller, rendezvous on rank 0)",
                 "collectives": "gloo"},
 }
+
+
+# Recipes whose sbatch file starts one launcher per node (RECIPE_LAUNCHER), which starts that node's ranks.
+PER_NODE_LAUNCHER = {"accelerate"}
+
+
+def containers_started(job: str, runtime: str, user) -> int:
+    """How many containers podman (root's, or the user's under podman-hpc or rootless podman) started for the
+    job: its own event log, filtered by the job's label (slurm/lib/launch.sh) — evidence from outside the run."""
+    query = ["events", "--stream=false", "--since", "60m", "--filter", "event=start", "--filter",
+             f"label=io.hpcml.job={job}", "--format", "{{.Name}}"]
+    result = user.run([runtime, *query]) if user is not None else run(["podman", *query], env=container_env())
+    assert result.returncode == 0, result.stderr
+    return len(result.stdout.split())
 
 
 def load_cells() -> list[dict]:
@@ -147,7 +167,7 @@ def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
 @pytest.mark.parametrize("cell", CELLS, ids=[cell_id(c) for c in CELLS])
 def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     recipe, runtime = cell["recipe"], cell["runtime"]
-    args = [*RECIPE_BASE_ARGS.get(recipe, BASE_ARGS), *cell["args"]]
+    args = [*RECIPE_BASE_ARGS.get(recipe, BASE_ARGS), *RECIPE_SGD.get(recipe, SGD), *cell["args"]]
     image = f"hpcml/{cell['image']}:cpu"
     env, options, user, work = {"CONTAINER_RUNTIME": runtime}, [], None, tmp_path
     if cell["user"] == "normal":  # a normal user, as every Perlmutter user, from their own checkout
@@ -213,6 +233,10 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
         assert metrics["container"] not in ("podman", "shifter") and metrics["python"] != IMAGE_PYTHON, metrics
     if user is not None:  # written by the user's ranks, as the user
         assert (tmp_path / "run" / "metrics.json").stat().st_uid == user.uid
+    if runtime in ("podman", "podman-hpc"):  # and from the runtime's own record: the containers the job started
+        per_node = recipe in PER_NODE_LAUNCHER
+        expected = cell["nodes"] if per_node else world
+        assert containers_started(job, runtime, user) == expected + 1, log  # (+1: the recipe's preflight check)
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     assert [record["step"] for record in metrics["history"]] == [1, 2, 3, 4]
 

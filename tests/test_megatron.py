@@ -7,6 +7,13 @@ under torchrun, real megatron-core on CPU through recipes/megatron_tp_pp/cpu_pla
 Tolerance: relative difference of the per-step loss <= 1e-5 over 4 steps (measured here: <= 1e-7);
 parameters that ranks share (DP replicas, TP-replicated norms and biases) bitwise identical, checked
 inside the run. Every site the shim rewrote must be on the checked-in allow-list.
+Optimizer: plain SGD (lr 1.0, no clipping), which a gradient of the wrong scale cannot pass (Adam and a
+norm clip both hide one); with the distributed optimizer, which is Adam only, the global gradient norm of
+every step is compared as well (within the same tolerance). Negative controls, each caught by the same comparison with a margin of 100x the
+tolerance or more: TP without its output all-reduce, DP replicas whose gradients are summed instead of
+averaged (plain and with the distributed optimizer), DP replicas never reduced (plain: the replicas also
+drift apart; distributed optimizer), batched p2p with virtual stages; and a resume without the optimizer
+state, caught by the resume comparison.
 """
 
 from __future__ import annotations
@@ -21,7 +28,11 @@ from conftest import REPO, assert_ok, free_port, losses, max_relative_difference
 
 RECIPE = REPO / "recipes" / "megatron_tp_pp" / "train.py"
 SHIM_ALLOW_LIST = REPO / "tests" / "megatron_shim_sites.txt"
-STEPS = ["--seq-len", "32", "--max-steps", "4", "--checkpoint-every", "0", "--log-every", "1"]
+STEPS = ["--seq-len", "32", "--max-steps", "4", "--checkpoint-every", "0", "--log-every", "1",
+         "--optimizer", "sgd", "--lr", "1.0", "--clip-grad", "0"]
+# megatron-core's distributed optimizer is Adam only: its runs compare the global gradient norm of every
+# step as well, which a gradient of the wrong scale cannot pass either.
+ADAM = [*STEPS, "--optimizer", "adamw", "--lr", "3e-3"]
 LOSS_RTOL = 1e-5
 SEEN_SHIM_SITES: set[str] = set()  # every run of this module adds what the shim rewrote
 COVERING_TESTS: set[str] = set()  # the tests whose runs together use every path the allow-list names
@@ -63,14 +74,32 @@ def checked_metrics(out_dir) -> dict:
     return metrics
 
 
+def grad_norms(metrics: dict) -> list[float]:
+    return [record["grad_norm"] for record in metrics["history"]]
+
+
+def difference(metrics: dict, reference: dict) -> float:
+    """The larger relative difference of the per-step loss and the per-step global gradient norm."""
+    return max(max_relative_difference(losses(metrics), losses(reference)),
+               max_relative_difference(grad_norms(metrics), grad_norms(reference)))
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    assert_ok(single(out, *STEPS))
-    metrics = checked_metrics(out)
-    assert metrics["world_size"] == 1 and metrics["layout"]["tp"] == metrics["layout"]["pp"] == 1
-    assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4]
-    return metrics
+def references(tmp_path_factory) -> dict:
+    runs = {}
+    for name, steps in (("sgd", STEPS), ("adam", ADAM)):
+        out = tmp_path_factory.mktemp(f"reference-{name}")
+        assert_ok(single(out, *steps))
+        metrics = checked_metrics(out)
+        assert metrics["world_size"] == 1 and metrics["layout"]["tp"] == metrics["layout"]["pp"] == 1
+        assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4] and all(n > 0 for n in grad_norms(metrics))
+        runs[name] = metrics
+    return runs
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> dict:
+    return references["sgd"]
 
 
 LAYOUTS = {
@@ -83,9 +112,11 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_one_process(reference, tmp_path, name):
+def test_layout_matches_one_process(references, tmp_path, name):
     nproc, args, layout = LAYOUTS[name]
-    assert_ok(torchrun(tmp_path, nproc, *STEPS, *args))
+    optimizer = "adam" if "--distributed-optimizer" in args else "sgd"
+    reference = references[optimizer]
+    assert_ok(torchrun(tmp_path, nproc, *(ADAM if optimizer == "adam" else STEPS), *args))
     metrics = checked_metrics(tmp_path)
     # It really was this parallel: from inside the run, megatron's own groups and wrapper.
     assert metrics["world_size"] == nproc and len(metrics["hostnames"]) == nproc
@@ -96,7 +127,7 @@ def test_layout_matches_one_process(reference, tmp_path, name):
     if "--distributed-optimizer" in args:
         assert metrics["config"]["distributed_optimizer"] is True
     assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4]
-    assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
+    assert difference(metrics, reference) <= LOSS_RTOL
     COVERING_TESTS.add(name)
 
 
@@ -114,6 +145,28 @@ def test_batched_p2p_with_virtual_stages_is_refused_and_caught(reference, tmp_pa
     COVERING_TESTS.add("batched-p2p")
 
 
+@pytest.mark.parametrize("nproc, args, control", [
+    (2, ["--tp", "2"], "tp-no-reduce"),
+    (2, [], "dp-grad-sum"),
+    (4, ["--tp", "2", "--distributed-optimizer"], "dp-grad-sum"),
+    (2, [], "dp-no-reduce"),
+    (2, ["--distributed-optimizer"], "dp-no-reduce"),
+])
+def test_negative_controls_are_caught(references, tmp_path, nproc, args, control):
+    optimizer = "adam" if "--distributed-optimizer" in args else "sgd"
+    result = torchrun(tmp_path, nproc, *(ADAM if optimizer == "adam" else STEPS), *args, "--test-break", control)
+    metrics = read_metrics(tmp_path)
+    assert metrics["world_size"] == nproc and metrics["config"]["distributed_optimizer"] == ("--distributed-optimizer" in args)
+    assert difference(metrics, references[optimizer]) > 100 * LOSS_RTOL
+    # Replicas drift apart, and the run itself fails: DP never reduced (plain), and TP without its all-reduce
+    # (what TP replicates, the norms, sees different inputs on each TP rank). The distributed optimizer
+    # gathers every replica's parameters from the shards: equal, and wrong.
+    if control == "tp-no-reduce" or (control == "dp-no-reduce" and "--distributed-optimizer" not in args):
+        assert result.returncode != 0 and metrics["param_max_abs_diff_across_ranks"] > 0.0
+    else:
+        assert_ok(result)
+
+
 def test_checkpoint_resume_same_and_other_layout(tmp_path):
     """Stop at step 3, resume to 6: the later losses are those of the uninterrupted run; megatron's
     distributed checkpoint of a PP 2 run also resumes as TP 2 (resharded on load)."""
@@ -126,8 +179,9 @@ def test_checkpoint_resume_same_and_other_layout(tmp_path):
     assert_ok(torchrun(interrupted, 2, *steps, "--pp", "2", "--stop-at-step", "3"))
     assert checked_metrics(interrupted)["last_step"] == 3
     assert sorted(p.name for p in (interrupted / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
-    other_layout = tmp_path / "other-layout"
+    other_layout, control = tmp_path / "other-layout", tmp_path / "resume-without-optimizer"
     shutil.copytree(interrupted, other_layout)
+    shutil.copytree(interrupted, control)
 
     resumed = torchrun(interrupted, 2, *steps, "--pp", "2")
     assert_ok(resumed)
@@ -141,6 +195,11 @@ def test_checkpoint_resume_same_and_other_layout(tmp_path):
     metrics = checked_metrics(other_layout)
     assert metrics["layout"]["tp"] == 2 and metrics["layout"]["pp"] == 1 and metrics["resumed_from_step"] == 3
     assert max_relative_difference(losses(metrics)[3:], expected[3:]) <= LOSS_RTOL
+
+    # The control: the same resume without the optimizer state (Adam's moments) must fail the comparison.
+    assert_ok(torchrun(control, 2, *steps, "--pp", "2", "--test-break", "resume-fresh-optimizer"))
+    defective = losses(checked_metrics(control))
+    assert defective[:3] == expected[:3] and max_relative_difference(defective[3:], expected[3:]) > 100 * LOSS_RTOL
     COVERING_TESTS.add("resume")
 
 
@@ -167,7 +226,10 @@ def preflight(world_size: int, *args: str, **env):
     (2, ["--pp", "2", "--vp", "2", "--batch-p2p-comm"], "drop --batch-p2p-comm"),
     (2, ["--vp", "2"], "--vp 2 needs --vp >= 2 and --pp >= 2"),
     (1, ["--clip-grad", "-1"], "--clip-grad must be 0 (no clipping) or more, got -1.0"),
-    (1, ["--lr", "0"], "--lr must be positive, got 0.0"),
+    (1, ["--lr", "0"], "--lr must be a positive finite number, got 0.0"),
+    (1, ["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+    (2, ["--optimizer", "sgd", "--distributed-optimizer"], "distributed optimizer is Adam only"),
+    (2, ["--test-break", "dp-grad-sum", "--tp", "2"], "--test-break dp-grad-sum needs DP 2 or more"),
 ])
 def test_bad_layout_is_refused_with_one_line(world_size, args, fragment):
     result = preflight(world_size, *args)

@@ -31,16 +31,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+# accelerate loads DeepSpeed where it is installed (to resume a checkpoint), which guesses its accelerator
+# and logs a WARNING when it finds no GPU: name it instead.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DistributedType, InitProcessGroupKwargs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the harness and the model
 import harness  # noqa: E402
@@ -59,8 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--launch-config", type=Path, default=None,
                    help="the accelerate config file `accelerate launch --config_file` was given: checked against "
                         "the world size (slurm/accelerate.sh passes it)")
+    harness.add_optimizer_option(p)
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: skip the gradient averaging (the parity check's negative control)")
+    harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged"}, other={
+        "accum-sum": "the micro-batches' gradients summed instead of averaged (needs --grad-accum > 1)",
+        "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True)
 
 
@@ -73,6 +82,8 @@ def validate(args: argparse.Namespace, world_size: int, nodes: int | None = None
                               f"world size {world_size} x --grad-accum {args.grad_accum} = {world_size * args.grad_accum}")
     if args.skip_grad_allreduce and args.grad_accum != 1:
         raise harness.ConfigError("--skip-grad-allreduce needs --grad-accum 1")
+    if args.test_break == "accum-sum" and args.grad_accum == 1:
+        raise harness.ConfigError("--test-break accum-sum needs --grad-accum 2 or more")
     if args.launch_config is not None:
         check_launch_config(args.launch_config, world_size, nodes)
 
@@ -102,7 +113,8 @@ def check_launch_config(path: Path, world_size: int, nodes: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_cfg = GPTConfig.from_args(args)
-    must_match = {"model_cfg": asdict(model_cfg), "global_batch": args.global_batch}  # to resume a checkpoint
+    must_match = {"model_cfg": asdict(model_cfg), "global_batch": args.global_batch,  # to resume a checkpoint
+                  "optimizer_name": args.optimizer}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         validate(args, args.preflight, harness.nodes_in_job())
         resume_from, _ = harness.resume_dir(args, must_match)
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- model and optimizer: same seed on every rank, wrapped by accelerate (DDP when world > 1)
     torch.manual_seed(args.seed)
     raw_model = GPT(model_cfg)
-    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = harness.torch_optimizer(raw_model.parameters(), args.optimizer, args.lr)
     model, optimizer = accelerator.prepare(raw_model, optimizer)
     sharded = accelerator.distributed_type == DistributedType.FSDP  # fsdp.yaml, GPU only
     if world_size > 1:
@@ -153,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     start_step, history = 0, []
     if trainer_state:
         accelerator.load_state(str(resume_from))  # weights, optimizer, RNG of every rank
+        if args.test_break == "resume-fresh-optimizer":
+            optimizer.optimizer.state.clear()
         start_step, history = trainer_state["step"], trainer_state["history"]
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
@@ -165,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(step: int) -> None:  # accelerate's save_state: every rank writes its part (RNG included)
         harness.save_sharded_checkpoint(
-            args.out_dir / "checkpoints", step, lambda staging: accelerator.save_state(str(staging)),
+            # (torch's format: safetensors cannot hold the tied embedding/head and warns that it dropped one)
+            args.out_dir / "checkpoints", step, lambda staging: accelerator.save_state(str(staging), safe_serialization=False),
             {"history": metrics.history, **must_match}, writes_state=is_rank0, is_rank0=is_rank0,
             barrier=accelerator.wait_for_everyone)
         metrics.write()
@@ -184,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             # accumulate(): no gradient all-reduce until the last micro-batch, and the optimizer steps only then
             with accelerator.accumulate(model), skip_sync:
                 loss = model(inputs[rows].to(device), targets[rows].to(device))
-                accelerator.backward(loss)  # divides by --grad-accum: the gradient of the mean loss
+                # backward() divides by --grad-accum (the gradient of the mean loss); the all-reduce averages
+                # over the ranks. The test breaks undo one of the two.
+                scale = {"grad-sum": world_size, "accum-sum": args.grad_accum}.get(args.test_break, 1)
+                accelerator.backward(loss * scale)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             step_loss += loss.detach() / args.grad_accum

@@ -52,8 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU speed; slow to start)")
+    harness.add_optimizer_option(p)
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: skip DDP's gradient averaging (the parity check's negative control)")
+    harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged"}, other={
+        "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state",
+        "resume-data-from-start": "a resumed run reads the data from the first batch again"})
     return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True)
 
 
@@ -68,13 +72,15 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_cfg = GPTConfig.from_args(args)
-    must_match = {"model_cfg": asdict(model_cfg), "global_batch": args.global_batch}  # to resume a checkpoint
+    must_match = {"model_cfg": asdict(model_cfg), "global_batch": args.global_batch,  # to resume a checkpoint
+                  "optimizer_name": args.optimizer}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         validate(args, args.preflight)
         resume_from, _ = harness.resume_file(args, must_match)
         return harness.preflight_line(RECIPE, f"options fit world size {args.preflight}", resume_from)
     env = harness.detect_dist_env()
     validate(args, env.world_size)
+    harness.check_expected_world_size(env.world_size)
     resume_from, checkpoint = harness.resume_file(args, must_match)
 
     # ---- rank, device, backend
@@ -98,12 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         # Frameworks fall back to no parallelism silently; refuse to "train in parallel" without the wrapper.
         assert isinstance(model, DDP) and dist.get_world_size() == env.world_size
     model.train()
-    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = harness.torch_optimizer(raw_model.parameters(), args.optimizer, args.lr)
 
     start_step, history = 0, []
     if checkpoint:
         raw_model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        if args.test_break != "resume-fresh-optimizer":
+            optimizer.load_state_dict(checkpoint["optimizer"])
         harness.restore_rng_state(checkpoint["rng"])
         start_step, history = checkpoint["step"], checkpoint["history"]
         if is_rank0:
@@ -125,12 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     for step in run.steps():
-        inputs, targets = data.local_batch(step, args.global_batch, env.rank, env.world_size)
+        position = step - start_step if args.test_break == "resume-data-from-start" else step  # the data's step
+        inputs, targets = data.local_batch(position, args.global_batch, env.rank, env.world_size)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         skip_sync = model.no_sync() if args.skip_grad_allreduce else contextlib.nullcontext()
         with skip_sync, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = model(inputs, targets)
-            loss.backward()  # DDP averages the gradients across ranks here, overlapped with backward
+            # DDP averages the gradients across ranks here, overlapped with backward. (grad-sum: a sum.)
+            (loss * env.world_size if args.test_break == "grad-sum" else loss).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         global_loss = harness.mean_across_ranks(loss, env.world_size)  # also synchronises the step for timing

@@ -40,15 +40,19 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-import deepspeed
 import torch
 import torch.distributed as dist
+
+# DeepSpeed guesses its accelerator, and logs a WARNING each run when it finds no GPU: name it instead.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+import deepspeed  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the harness and the model
 import harness  # noqa: E402
@@ -78,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TESTS ONLY, wrong on purpose: skip the gradient averaging over DP (ZeRO 0/1; a negative control)")
     p.add_argument("--test-last-microbatch-loss", action="store_true",
                    help="TESTS ONLY, wrong on purpose: --pp trains on the last micro-batch's loss only (a negative control)")
+    harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged (no --pp)"}, other={
+        "accum-sum": "the micro-batches' gradients summed instead of averaged (no --pp; needs --grad-accum > 1)",
+        "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True)
 
 
@@ -145,8 +152,9 @@ def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool, p
                                  "optimizer from the config (see recipes/deepspeed/ds_config.json)")
     if args.lr is not None:
         optimizer["params"]["lr"] = args.lr
-    if not optimizer["params"]["lr"] > 0:
-        raise harness.ConfigError(f"the learning rate must be positive, got {optimizer['params']['lr']}")
+    lr = optimizer["params"]["lr"]
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
+        raise harness.ConfigError(f"the learning rate must be a positive finite number, got {lr!r}")
     if args.optimizer == "sgd":  # the recipe passes torch's SGD to deepspeed.initialize (a "client" optimizer)
         config["client_sgd_lr"] = config.pop("optimizer")["params"]["lr"]
         config["zero_allow_untested_optimizer"] = True
@@ -185,6 +193,8 @@ def validate(args: argparse.Namespace, world_size: int, on_gpu: bool) -> tuple[d
                                   "(without --pp) --grad-accum 1")
     if args.test_last_microbatch_loss and (pp == 1 or accum == 1):
         raise harness.ConfigError("--test-last-microbatch-loss needs --pp 2 or more and --grad-accum 2 or more")
+    if args.test_break in ("grad-sum", "accum-sum") and (pp > 1 or (args.test_break == "accum-sum" and accum == 1)):
+        raise harness.ConfigError(f"--test-break {args.test_break} needs no --pp{' and --grad-accum 2 or more' if args.test_break == 'accum-sum' else ''}")
     return ds_config, pp
 
 
@@ -210,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     stage, accum = ds_config["zero_optimization"]["stage"], ds_config["gradient_accumulation_steps"]
     global_batch, micro_rows = ds_config["train_batch_size"], ds_config["train_micro_batch_size_per_gpu"]
     sgd_lr, dp = ds_config.pop("client_sgd_lr", None), world_size // pp
-    must_match = {"model_cfg": asdict(model_cfg), "global_batch": global_batch}  # to resume a checkpoint
+    must_match = {"model_cfg": asdict(model_cfg), "global_batch": global_batch,  # to resume a checkpoint
+                  "optimizer_name": args.optimizer}
     resume_from, trainer_state = harness.resume_dir(args, must_match)
     check_resumable(resume_from, trainer_state, stage, world_size, pp)
     # DeepSpeed JIT-compiles missing ops into TORCH_EXTENSIONS_DIR: node-local disk and one directory per
@@ -268,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint_dir = args.out_dir / "checkpoints"
     start_step, history = 0, []
     if trainer_state:
-        engine.load_checkpoint(str(checkpoint_dir), tag=resume_from.name)  # weights, optimizer shards, counters
+        engine.load_checkpoint(str(checkpoint_dir), tag=resume_from.name,  # weights, optimizer shards, counters
+                               load_optimizer_states=args.test_break != "resume-fresh-optimizer")
         start_step, history = trainer_state["step"], trainer_state["history"]
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
@@ -306,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
             skip_sync = engine.no_sync() if args.skip_grad_allreduce else contextlib.nullcontext()
             with skip_sync:
                 loss = engine(inputs[rows].to(device), targets[rows].to(device))
-                engine.backward(loss)  # scales by 1/accum; reduces (ZeRO: reduce-scatters) at the last micro-batch
+                # backward() scales by 1/accum and reduces (ZeRO: reduce-scatters) the mean over the ranks at the
+                # last micro-batch. The test breaks undo one of the two.
+                scale = {"grad-sum": dp, "accum-sum": accum}.get(args.test_break, 1)
+                engine.backward(loss * scale)
             engine.step()  # the optimizer steps only at the accumulation boundary
             step_loss += loss.detach().float() / accum
         global_loss = harness.mean_across_ranks(step_loss, env.world_size)  # also synchronises the step for timing

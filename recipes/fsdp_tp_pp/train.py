@@ -31,8 +31,10 @@ refused before any rank starts (--preflight N), one line each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -106,13 +108,28 @@ def load_dcp(path: Path, stages: list, optimizers: list, with_optimizer: bool) -
     # (DCP loads into these tensors in place, and they are the optimizer's own state tensors: leaving the
     # optimizer out means leaving its keys out here)
     merged = {"rng": torch.get_rng_state()} | {k: v for d in per_stage for k, v in d.items() if k.startswith(wanted)}
-    dcp.load(merged, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with one_process_dcp():
+        dcp.load(merged, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     torch.set_rng_state(merged["rng"])
     for stage, optimizer, own in zip(stages, optimizers, per_stage):
         set_model_state_dict(stage, {k[6:]: merged[k] for k in own if k.startswith("model.")})
         if with_optimizer:
             set_optimizer_state_dict(stage, optimizer, {k[6:]: merged[k] for k in own if k.startswith("optim.")},
                                      options=DCP_OPTIONS)
+
+
+@contextlib.contextmanager
+def one_process_dcp():
+    """DCP in one process (no_dist): torch warns that it assumes one process even when no_dist asks for exactly
+    that; nothing to act on, so not in the log."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+        yield
+
+
+def save_dcp(state: dict, path: Path, world_size: int) -> None:
+    with one_process_dcp():
+        dcp.save(state, checkpoint_id=str(path), no_dist=world_size == 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     def save(step: int) -> None:  # every rank writes its shards of its stages
         state = {"rng": torch.get_rng_state()} | {k: v for d in state_dicts(stages, optimizers) for k, v in d.items()}
         harness.save_sharded_checkpoint(
-            checkpoint_dir, step, lambda staging: dcp.save(state, checkpoint_id=str(staging), no_dist=env.world_size == 1),
+            checkpoint_dir, step, lambda staging: save_dcp(state, staging, env.world_size),
             {"history": metrics.history, **must_match, "layout": asdict(layout)}, writes_state=env.rank == 0,
             is_rank0=env.rank == 0, barrier=dist.barrier if env.world_size > 1 else lambda: None)
         metrics.write()

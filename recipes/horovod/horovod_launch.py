@@ -30,6 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the harness
 import harness  # noqa: E402
 
+# Horovod loads TensorFlow when it is installed, also for horovod.torch: no INFO lines from TensorFlow's C++
+# side (CPU features) in the log of either recipe (keras_model.py sets the same for the TensorFlow one).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
 
 def add_batch_options(p: argparse.ArgumentParser, lr: float, optimizer: str) -> None:
     p.add_argument("--batch-per-rank", type=int, default=8, help="sequences per rank per step")

@@ -46,8 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     horovod_launch.add_batch_options(p, lr=1e-3, optimizer="Adam")
     p.add_argument("--check-sync-every", type=int, default=0,
                    help="compare the weights of all ranks every N steps (0: only at the end); costs two all-reduces")
+    harness.add_optimizer_option(p)
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: a plain GradientTape, no averaging (the negative control)")
+    harness.add_test_break_option(p, needs_ranks={"grad-sum": "Horovod sums the ranks' gradients instead of averaging them"})
     keras_model.add_model_options(p)
     return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False)
 
@@ -64,7 +66,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 def must_match_to_resume(args: argparse.Namespace, world_size: int) -> dict:
     """What a checkpoint must have been written with for this run to continue it."""
     model = {"vocab_size": args.vocab_size, "seq_len": args.seq_len, "d_model": args.d_model, "d_hidden": args.d_hidden}
-    return {"model": model, "global_batch": args.batch_per_rank * world_size}
+    return {"model": model, "global_batch": args.batch_per_rank * world_size, "optimizer_name": args.optimizer}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     must_match = must_match_to_resume(args, world_size)
     model = keras_model.build_model(keras_model.TokenModelConfig.from_args(args), args.seed)
     lr = args.lr * world_size
-    optimizer = tf.keras.optimizers.Adam(learning_rate=lr)
+    optimizer = keras_model.optimizer(args.optimizer, lr)
     optimizer.build(model.trainable_variables)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
     latest, meta = harness.resume_dir(args, must_match, state_file="meta.json")
@@ -142,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         with tf.GradientTape() as tape:
             logits = model(inputs, training=True)
             loss = tf.reduce_mean(keras_model.loss_per_token(targets, logits))
-        if averaged:
-            tape = hvd.DistributedGradientTape(tape)  # gradients averaged over all ranks
+        if averaged:  # gradients averaged over all ranks (grad-sum: summed)
+            tape = hvd.DistributedGradientTape(tape, op=hvd.Sum if args.test_break == "grad-sum" else hvd.Average)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return hvd.allreduce(loss, op=hvd.Average) if world_size > 1 else loss

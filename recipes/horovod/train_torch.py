@@ -35,8 +35,10 @@ RECIPE = "horovod_torch"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.new_parser(__doc__)
     horovod_launch.add_batch_options(p, lr=3e-3, optimizer="AdamW")
+    harness.add_optimizer_option(p)
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: the plain optimizer, no averaging (the negative control)")
+    harness.add_test_break_option(p, needs_ranks={"grad-sum": "Horovod sums the ranks' gradients instead of averaging them"})
     return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, collective_timeout=False)
 
 
@@ -49,7 +51,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_cfg = GPTConfig.from_args(args)
-    must_match = lambda world_size: {"model_cfg": asdict(model_cfg), "global_batch": args.batch_per_rank * world_size}  # noqa: E731
+    must_match = lambda world_size: {"model_cfg": asdict(model_cfg), "global_batch": args.batch_per_rank * world_size,  # noqa: E731
+                                     "optimizer_name": args.optimizer}
     horovod_launch.check_mpi_controller()
     if args.preflight is not None:
         validate(args, args.preflight)
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = GPT(model_cfg).to(device)
     lr = args.lr * world_size
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    optimizer = harness.torch_optimizer(model.parameters(), args.optimizer, lr)
     resume_from, state = harness.resume_file(args, must_match(world_size))
     start_step, history = 0, []
     if state is not None:
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
     wrapper = "none"
     if world_size > 1 and not args.skip_grad_allreduce:
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             op=hvd.Sum if args.test_break == "grad-sum" else hvd.Average)
         wrapper = "DistributedOptimizer"  # (the wrapped optimizer keeps its class name, AdamW)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = model(inputs.to(device), targets.to(device))
         loss.backward()  # DistributedOptimizer starts an all-reduce per gradient as it becomes ready
         optimizer.step()  # ...and waits for them here
-        global_loss = float(hvd.allreduce(loss.detach(), op=hvd.Average)) if world_size > 1 else float(loss)
+        global_loss = float(hvd.allreduce(loss.detach(), op=hvd.Average)) if world_size > 1 else float(loss.detach())
         metrics.log_step(step, global_loss, global_batch, run.step_time(), lr)
         if run.step_done(step, save):
             break

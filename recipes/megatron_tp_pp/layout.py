@@ -33,6 +33,9 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
     harness.require_at_least_one(args, "tp", "pp", "micro_batch", "global_batch", "num_layers", "hidden_size",
                                  "num_heads")
     harness.require_positive(args, "lr")
+    if args.optimizer == "sgd" and args.distributed_optimizer:
+        raise harness.ConfigError("megatron-core's distributed optimizer is Adam only: drop --distributed-optimizer "
+                                  "or --optimizer sgd")
     if args.clip_grad < 0:
         raise harness.ConfigError(f"--clip-grad must be 0 (no clipping) or more, got {args.clip_grad}")
     if importlib.util.find_spec("psutil") is None:  # megatron-core uses it undeclared; its save hangs without
@@ -45,6 +48,9 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
             f"launch a multiple of {tp * pp} ranks, or change --tp/--pp"
         )
     dp = world_size // (tp * pp)
+    needs = {"tp-no-reduce": (tp, "--tp 2 or more"), "dp-grad-sum": (dp, "DP 2 or more"), "dp-no-reduce": (dp, "DP 2 or more")}
+    if args.test_break in needs and needs[args.test_break][0] < 2:
+        raise harness.ConfigError(f"--test-break {args.test_break} needs {needs[args.test_break][1]}")
     if args.num_heads % tp:
         raise harness.ConfigError(f"--num-heads {args.num_heads} is not divisible by --tp {tp}: each TP rank takes whole heads")
     if args.hidden_size % tp:

@@ -29,6 +29,7 @@ any rank starts (--preflight WORLD_SIZE, which slurm/lib/launch.sh runs), each w
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 import zlib
@@ -67,8 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: Transformer Engine layers on GPU where TE is installed, megatron's torch layers otherwise")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="for the TP placement check (default: from Slurm or torchrun variables)")
+    harness.add_optimizer_option(p)
     p.add_argument("--unsafe-batch-p2p-with-vp", action="store_true",
                    help="TESTS ONLY, wrong on purpose: allow --batch-p2p-comm with --vp at --pp 2 (the negative control)")
+    harness.add_test_break_option(p, needs_ranks={
+        "tp-no-reduce": "the tensor-parallel layers' output all-reduce left out (needs --tp > 1)",
+        "dp-grad-sum": "the DP replicas' gradients summed instead of averaged (needs DP > 1)",
+        "dp-no-reduce": "the DP replicas' gradients never reduced (needs DP > 1)",
+    }, other={"resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     return harness.parse_recipe_args(p, RECIPE, argv)
 
 
@@ -101,7 +108,8 @@ def init_weights_by_global_name(model_chunks, seed: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    must_match = {"model": model_settings(args)}  # to resume a checkpoint (in any layout: megatron reshards)
+    # to resume a checkpoint (in any layout: megatron reshards)
+    must_match = {"model": model_settings(args), "optimizer_name": args.optimizer}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank (no megatron import: seconds)
         layout = validate(args, args.preflight)
         resume_from, _ = harness.resume_dir(args, must_match)
@@ -115,10 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint_dir = args.out_dir / "checkpoints"
 
     # ---- rank, device, backend (gloo on CPU, NCCL on GPU); megatron needs a process group even for one rank
+    if layout.tp > 1:  # before CUDA starts: one hardware queue, so that TP's all-reduce of a layer's input
+        # gradient goes out before the weight-gradient GEMM it overlaps (as Megatron-LM sets it; warned otherwise)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     device, backend = harness.setup_torch_distributed(env, args.timeout_s, always_group=True)
     # Without Transformer Engine/apex megatron warns at import, once per module: the log line below says it.
     warnings.filterwarnings("ignore", r"(Transformer Engine and )?Apex (is|are) not installed", UserWarning)
     warnings.filterwarnings("ignore", "full scope is deprecated", UserWarning)
+    # megatron-core's checkpoint loader still calls torch's deprecated APIs: notes for its developers, on every
+    # resume, with nothing a user can change.
+    warnings.filterwarnings("ignore", r"`load_state_dict` is deprecated", FutureWarning)
+    warnings.filterwarnings("ignore", "Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning)
     if device.type == "cpu":
         import cpu_placement_shim  # recipes/megatron_tp_pp/: megatron-core has no CPU path of its own
         cpu_placement_shim.enable()
@@ -132,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
+
+    if args.test_break == "tp-no-reduce":  # TESTS ONLY: each TP rank keeps its partial sum
+        tensor_parallel.layers.reduce_from_tensor_model_parallel_region = lambda tensor, group=None: tensor
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
@@ -202,9 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     config.finalize_model_grads_func = finalize_model_grads
     if len(model_chunks) == 1:
         config.no_sync_func = config.no_sync_func[0]
+    if args.test_break == "dp-no-reduce":  # TESTS ONLY: the DP all-reduce (or reduce-scatter) never happens
+        for chunk in model_chunks:
+            chunk.finish_grad_sync = lambda *_, **__: None
+    # --optimizer adamw: megatron's Adam with no weight decay (AdamW); sgd: plain SGD, no momentum.
+    optimizer_choice = (dict(optimizer="adam", adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8) if args.optimizer == "adamw"
+                        else dict(optimizer="sgd", sgd_momentum=0.0))
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
-                        adam_eps=1e-8, clip_grad=args.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        OptimizerConfig(**optimizer_choice, lr=args.lr, weight_decay=0.0, clip_grad=args.clip_grad,
+                        bf16=dtype == torch.bfloat16, params_dtype=dtype,
                         use_distributed_optimizer=args.distributed_optimizer),
         model_chunks,
     )
@@ -229,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         for i, chunk in enumerate(model_chunks):
             chunk.module.load_state_dict(loaded[f"model{i}"])
         optimizer.load_state_dict(loaded["optimizer"])
+        if args.test_break == "resume-fresh-optimizer":  # TESTS ONLY: Adam's moments and step count dropped
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                for state in inner.optimizer.state.values():
+                    for value in state.values():
+                        if torch.is_tensor(value):
+                            value.zero_()
         start_step, history = trainer_state["step"], trainer_state["history"]
         if env.rank == 0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
@@ -265,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
             # The schedule divides the returned loss in place by the micro-batch count: report a copy.
-            return loss, {"loss": loss.detach().clone()}
+            # (dp-grad-sum: the gradients, averaged over DP by megatron's DDP, become a sum.)
+            return loss * (layout.dp if args.test_break == "dp-grad-sum" else 1), {"loss": loss.detach().clone()}
 
         return output, loss_func
 
@@ -293,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         update_successful, grad_norm, _ = optimizer.step()
         if not update_successful:
             raise RuntimeError(f"step {step}: the optimizer skipped the update (grad norm {grad_norm})")
+        if not grad_norm:  # megatron computes the global norm only to clip: the norm of the gradients applied
+            grad_norm = optimizer.get_grad_norm()
         step_loss = torch.zeros((), device=device)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             step_loss = torch.stack([item["loss"] for item in losses]).mean()
@@ -301,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             dist.barrier(group=dp_group)  # the same collective count on every rank keeps the timing honest
         metrics.log_step(step, float(step_loss), args.global_batch, run.step_time(),
-                         optimizer.param_groups[0]["lr"])
+                         optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm))
         if run.step_done(step, save):
             break
     run.save_last(save)

@@ -42,8 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="replicas: default every GPU, or 2 logical CPU devices without a GPU")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step, summed over all replicas")
     p.add_argument("--lr", type=float, default=2e-3)
+    harness.add_optimizer_option(p)
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: every replica applies its own gradients (the negative control)")
+    harness.add_test_break_option(p, needs_ranks={}, other={
+        "grad-sum": "each replica's loss averaged over its own rows, not the global batch: the gradients are summed"})
     keras_model.add_model_options(p)
     return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False)
 
@@ -57,6 +60,8 @@ def validate(args: argparse.Namespace, processes: int) -> None:
     harness.validate_run(args, None, framework="tensorflow")  # (its replicas are known once TensorFlow runs)
     harness.require_at_least_one(args, "global_batch", "d_model", "d_hidden")
     harness.require_positive(args, "lr")
+    if args.test_break == "grad-sum" and args.devices == 1:
+        raise harness.ConfigError("--test-break grad-sum only means something with more than one replica")
     if args.devices is not None:
         harness.require_at_least_one(args, "devices")
         if args.global_batch % args.devices:
@@ -114,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = keras_model.TokenModelConfig.from_args(args)
     with strategy.scope():
         model = keras_model.build_model(cfg, args.seed)
-        optimizer = tf.keras.optimizers.Adam(learning_rate=args.lr)
+        optimizer = keras_model.optimizer(args.optimizer, args.lr)
         optimizer.build(model.trainable_variables)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    must_match = {"model": asdict(cfg), "global_batch": args.global_batch}
+    must_match = {"model": asdict(cfg), "global_batch": args.global_batch, "optimizer_name": args.optimizer}
     latest, meta = harness.resume_dir(args, must_match, state_file="meta.json")
     start_step, history = 0, []
     if latest is not None:
@@ -140,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             # Summed over this replica's rows, divided by the global batch: the replicas' sum is the mean.
             per_row = tf.reduce_mean(keras_model.loss_per_token(targets, logits), axis=1)
             loss = tf.nn.compute_average_loss(per_row, global_batch_size=args.global_batch)
-        grads = tape.gradient(loss, model.trainable_variables)
+            # grad-sum (TESTS ONLY): the replica's own mean, the classic mistake; the replicas' sum is then N x.
+            trained = tf.reduce_mean(per_row) if args.test_break == "grad-sum" else loss
+        grads = tape.gradient(trained, model.trainable_variables)
         # apply_gradients sums the replicas' gradients (the all-reduce) before it updates the weights.
         optimizer.apply_gradients(zip(grads, model.trainable_variables),
                                   skip_gradients_aggregation=args.skip_grad_allreduce)
