@@ -31,9 +31,10 @@
 set -euo pipefail
 # sbatch runs a copy of this file from Slurm's spool directory, so find the repository from the
 # directory the job was submitted from.
+[[ -f ${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh ]] || { echo "launch: error: no slurm/lib/launch.sh in" \
+    "${REPO_DIR:-$SLURM_SUBMIT_DIR}: submit from the repository's root (cd path/to/repo && sbatch slurm/...), or set REPO_DIR" >&2; exit 2; }
 # shellcheck source=slurm/lib/launch.sh
-source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
-    { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
+source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh"
 
 RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/ddp-$SLURM_JOB_ID}
 launch_recipe recipes/ddp/train.py --out-dir "$RUN_DIR" "$@"

@@ -33,9 +33,10 @@
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail
+[[ -f ${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh ]] || { echo "launch: error: no slurm/lib/launch.sh in" \
+    "${REPO_DIR:-$SLURM_SUBMIT_DIR}: submit from the repository's root (cd path/to/repo && sbatch slurm/...), or set REPO_DIR" >&2; exit 2; }
 # shellcheck source=slurm/lib/launch.sh
-source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
-    { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
+source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh"
 
 # DeepSpeed JIT-compiles missing ops into TORCH_EXTENSIONS_DIR: node-local disk, not a shared home
 # directory, whose file locks hang on NFS/Lustre, and one per user (the image sets none: under Shifter

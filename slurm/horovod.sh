@@ -34,9 +34,10 @@
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail
+[[ -f ${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh ]] || { echo "launch: error: no slurm/lib/launch.sh in" \
+    "${REPO_DIR:-$SLURM_SUBMIT_DIR}: submit from the repository's root (cd path/to/repo && sbatch slurm/...), or set REPO_DIR" >&2; exit 2; }
 # shellcheck source=slurm/lib/launch.sh
-source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
-    { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
+source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh"
 
 recipe=${RECIPE:-recipes/horovod/train.py}
 case $recipe in

@@ -26,9 +26,10 @@
 #SBATCH --module=gpu,nccl-plugin
 
 set -euo pipefail
+[[ -f ${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh ]] || { echo "launch: error: no slurm/lib/launch.sh in" \
+    "${REPO_DIR:-$SLURM_SUBMIT_DIR}: submit from the repository's root (cd path/to/repo && sbatch slurm/...), or set REPO_DIR" >&2; exit 2; }
 # shellcheck source=slurm/lib/launch.sh
-source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh" ||
-    { echo "launch: error: run sbatch from the repository root (or set REPO_DIR)" >&2; exit 2; }
+source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh"
 
 RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/tf_mirrored-$SLURM_JOB_ID}
 launch_recipe recipes/tf_mirrored/train.py --out-dir "$RUN_DIR" "$@"

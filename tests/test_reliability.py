@@ -171,6 +171,20 @@ def test_paths_with_spaces_work(slurm_cluster, request, tmp_path, runtime):
     assert f"-v {str(tmp_path / 'run dir').replace(' ', chr(92) + ' ')}:" in log or runtime == "none", log
 
 
+def test_a_job_submitted_from_outside_the_repository_says_where_to_submit_from(slurm_cluster, tmp_path):
+    """sbatch path/to/repo/slurm/ddp.sh from another directory, without REPO_DIR: Slurm runs a copy of the
+    file, which finds the repository through the submission directory only. One line, exit 2."""
+    env = {key: value for key, value in recipe_env(**slurm_cluster).items() if key != "REPO_DIR"}
+    result = run(["sbatch", "--parsable", "--wait", "-t", "5", "-N", "1", "-o", str(tmp_path / "%x-%j.out"),
+                  str(REPO / "slurm" / "ddp.sh")], env=env, cwd=tmp_path, timeout=420)
+    job = result.stdout.strip().split(";")[0]
+    log = (tmp_path / f"ddp-{job}.out").read_text()
+    assert result.returncode == 2 and job_state(job) == "FAILED", log
+    assert log.strip().splitlines() == [
+        f"launch: error: no slurm/lib/launch.sh in {tmp_path}: submit from the repository's root "
+        "(cd path/to/repo && sbatch slurm/...), or set REPO_DIR"], log
+
+
 def test_a_second_job_in_the_same_run_directory_is_refused(slurm_cluster, tmp_path):
     """Two jobs writing one RUN_DIR would overwrite each other's checkpoints: while the first trains, a second
     job (and the login-node check) with the same RUN_DIR is refused with one line naming the first; the first

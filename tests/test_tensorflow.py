@@ -135,6 +135,20 @@ def test_horovod_resume_continues_the_same_curve(tmp_path):
     assert not list((split / "checkpoints").glob(".step_*.partial"))
 
 
+def test_a_horovod_checkpoint_resumes_at_another_world_size(tmp_path):
+    """Rank 0's checkpoint holds the whole model and optimizer, and the data position is the step: 2 ranks'
+    checkpoint continues on 1 process on the same curve (<= 1e-5), given the same global batch and the same
+    learning rate (Horovod's convention: --lr x ranks, so 1 process takes twice the --lr)."""
+    whole = tmp_path / "whole"
+    ok(horovodrun(HOROVOD_TF, whole, 2, *STEPS, "--batch-per-rank", "8", "--lr", "1e-3"))
+    split = tmp_path / "split"
+    ok(horovodrun(HOROVOD_TF, split, 2, *STEPS, "--batch-per-rank", "8", "--lr", "1e-3", "--stop-at-step", "2"))
+    result = single(HOROVOD_TF, split, *STEPS, "--batch-per-rank", "16", "--lr", "2e-3")
+    ok(result)
+    assert "(step 2)" in result.stdout and read_metrics(split)["world_size"] == 1
+    assert max_relative_difference(losses(read_metrics(split)), losses(read_metrics(whole))) <= LOSS_RTOL
+
+
 def test_horovod_resume_with_another_global_batch_is_refused(tmp_path):
     ok(single(HOROVOD_TF, tmp_path, *STEPS, "--stop-at-step", "2"))
     result = single(HOROVOD_TF, tmp_path, *STEPS, "--batch-per-rank", "4")
