@@ -37,6 +37,14 @@ def assert_one_line_error(result, *fragments: str) -> None:
         (2, ["--max-steps", "0"], ["--max-steps must be at least 1"]),
         (2, ["--max-steps", "5", "--stop-at-step", "9"], ["--stop-at-step must be between 1 and --max-steps 5"]),
         (1, ["--skip-grad-allreduce"], ["only means something with more than one rank"]),
+        (1, ["--test-break", "grad-sum"], ["--test-break grad-sum only means something with more than one rank"]),
+        # degenerate numbers that a range check lets through or that are divided by
+        (2, ["--lr", "inf"], ["--lr must be a positive finite number, got inf"]),
+        (2, ["--lr", "nan"], ["--lr must be a positive finite number, got nan"]),
+        (2, ["--timeout-s", "0"], ["--timeout-s must be a positive finite number, got 0.0"]),
+        (2, ["--timeout-s", "inf"], ["--timeout-s must be a positive finite number, got inf"]),
+        (2, ["--peak-tflops", "0"], ["--peak-tflops must be a positive finite number, got 0.0"]),
+        (2, ["--global-batch", "0"], ["--global-batch must be at least 1, got 0"]),
     ],
 )
 def test_recipe_rejects_bad_layout_before_starting(tmp_path, world_size, args, fragments):
@@ -49,3 +57,25 @@ def test_recipe_started_in_batch_script_without_srun_is_refused(tmp_path):
     env = recipe_env(SLURM_JOB_ID="99", SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_JOB_NODELIST="nid[000001-000002]")
     result = run([sys.executable, str(DDP_RECIPE), *TINY, "--out-dir", str(tmp_path)], env=env, timeout=60)
     assert_one_line_error(result, "launch it with srun")
+
+
+@pytest.mark.parametrize("option", ["--out-dir", "--tensorboard", "--config"])
+def test_a_path_of_the_wrong_kind_is_one_line(tmp_path, option):
+    """A file where a directory belongs (--out-dir, --tensorboard), a directory where a file belongs (--config)."""
+    a_file, a_directory = tmp_path / "a-file", tmp_path / "a-directory"
+    a_file.write_text("")
+    a_directory.mkdir()
+    args = {"--out-dir": ["--out-dir", str(a_file)],
+            "--tensorboard": ["--out-dir", str(tmp_path / "run"), "--tensorboard", str(a_file)],
+            "--config": ["--out-dir", str(tmp_path / "run"), "--config", str(a_directory)]}[option]
+    result = run_as_rank0_of(2, *args)
+    fragment = f"cannot read --config {a_directory}: Is a directory" if option == "--config" else \
+        f"{option} {a_file} exists and is not a directory"
+    assert_one_line_error(result, fragment)
+
+
+@pytest.mark.parametrize("world_size", ["0", "-1"])
+def test_a_world_size_below_one_is_refused_by_the_preflight(tmp_path, world_size):
+    result = run([sys.executable, str(DDP_RECIPE), *TINY, "--out-dir", str(tmp_path), "--preflight", world_size],
+                 env=recipe_env(), timeout=60)
+    assert_one_line_error(result, f"the world size must be at least 1 rank, got {world_size}")

@@ -414,3 +414,8 @@ def test_requeues_stop_at_the_limit_and_a_bad_limit_is_refused(tmp_path):
     assert (tmp_path / "calls").read_text() == "requeue 42\n"  # not called again
     error = one_line_error(launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", LAUNCH_MAX_REQUEUES="ten"))
     assert "LAUNCH_MAX_REQUEUES=ten is not a number of requeues" in error
+
+
+def test_an_images_file_that_is_a_directory_is_one_line(tmp_path):
+    error = one_line_error(launch(CONTAINER_RUNTIME="podman", LAUNCH_DRY_RUN="1", HPCML_IMAGES_FILE=str(tmp_path)))
+    assert f"HPCML_IMAGES_FILE={tmp_path} is not a file" in error

@@ -106,7 +106,7 @@ images_file() {
 recorded_image() {
     local file
     file=$(images_file)
-    [[ -n $1 && -r $file ]] && sed -n "s/^$1=//p" "$file" | tail -n 1
+    [[ -n $1 && -f $file && -r $file ]] && sed -n "s/^$1=//p" "$file" | tail -n 1
     return 0
 }
 
@@ -120,6 +120,10 @@ choose_image() {
     IMAGE="" IMAGE_SOURCE=""
     [[ $runtime == none ]] && return 0
     family=$(image_family "$recipe")
+    if [[ -e $(images_file) && ! -f $(images_file) ]]; then
+        launch_error "HPCML_IMAGES_FILE=$(images_file) is not a file (it lists FAMILY=IMAGE lines, as make pull-IMAGE" \
+            "writes): point it at a file, or unset it (default ~/.config/hpcml/images)"
+    fi
     if [[ -n ${CONTAINER_IMAGE:-} ]]; then
         image=docker:${CONTAINER_IMAGE#docker:} IMAGE_SOURCE=CONTAINER_IMAGE
     elif [[ $runtime == shifter && -n ${SLURM_SPANK_SHIFTER_IMAGE:-} ]]; then
