@@ -23,7 +23,8 @@ IMAGE_TOOL := bash containers/images.sh
 #   make test PYTEST_ARGS="--randomly-seed=1234"                                   (an order again)
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
-PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) \
+	--durations=25 $(PYTEST_ARGS)
 
 .PHONY: help system-deps venv venv-tf run test test-unit test-slurm test-images shellcheck hadolint \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
