@@ -12,8 +12,8 @@ norm clip both hide one); with the distributed optimizer, which is Adam only, th
 every step is compared as well (within the same tolerance). Negative controls, each caught by the same comparison with a margin of 100x the
 tolerance or more: TP without its output all-reduce, DP replicas whose gradients are summed instead of
 averaged (plain and with the distributed optimizer), DP replicas never reduced (plain: the replicas also
-drift apart; distributed optimizer), batched p2p with virtual stages; and a resume without the optimizer
-state, caught by the resume comparison.
+drift apart; distributed optimizer), PP 2's micro-batches summed instead of averaged, batched p2p with
+virtual stages; and a resume without the optimizer state, caught by the resume comparison.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def test_batched_p2p_with_virtual_stages_is_refused_and_caught(reference, tmp_pa
     (4, ["--tp", "2", "--distributed-optimizer"], "dp-grad-sum"),
     (2, [], "dp-no-reduce"),
     (2, ["--distributed-optimizer"], "dp-no-reduce"),
+    (2, ["--pp", "2"], "microbatch-sum"),
 ])
 def test_negative_controls_are_caught(references, tmp_path, nproc, args, control):
     optimizer = "adam" if "--distributed-optimizer" in args else "sgd"

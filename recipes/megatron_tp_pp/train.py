@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "tp-no-reduce": "the tensor-parallel layers' output all-reduce left out (needs --tp > 1)",
         "dp-grad-sum": "the DP replicas' gradients summed instead of averaged (needs DP > 1)",
         "dp-no-reduce": "the DP replicas' gradients never reduced (needs DP > 1)",
-    }, other={"resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
+    }, other={"microbatch-sum": "the micro-batches' gradients summed instead of averaged",
+              "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     return harness.parse_recipe_args(p, RECIPE, argv)
 
 
@@ -295,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
             # The schedule divides the returned loss in place by the micro-batch count: report a copy.
-            # (dp-grad-sum: the gradients, averaged over DP by megatron's DDP, become a sum.)
-            return loss * (layout.dp if args.test_break == "dp-grad-sum" else 1), {"loss": loss.detach().clone()}
+            # (dp-grad-sum: the gradients, averaged over DP by megatron's DDP, become a sum; microbatch-sum:
+            # the schedule's division by the micro-batch count is undone.)
+            scale = {"dp-grad-sum": layout.dp, "microbatch-sum": layout.num_microbatches}.get(args.test_break, 1)
+            return loss * scale, {"loss": loss.detach().clone()}
 
         return output, loss_func
 
