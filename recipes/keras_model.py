@@ -73,6 +73,17 @@ def optimizer(name: str, lr: float) -> tf.keras.optimizers.Optimizer:
     return tf.keras.optimizers.SGD(learning_rate=lr) if name == "sgd" else tf.keras.optimizers.Adam(learning_rate=lr)
 
 
+def restore(checkpoint, model: tf.keras.Model, path: str, weights_only: bool = False) -> None:
+    """Read a checkpoint the recipes wrote (tf.train.Checkpoint of model and optimizer) back, all of it.
+    ``weights_only`` (TESTS ONLY, --test-break resume-fresh-optimizer): the model alone, a fresh optimizer."""
+    import tensorflow as tf
+
+    if weights_only:
+        tf.train.Checkpoint(model=model).read(path).expect_partial()
+    else:
+        checkpoint.read(path).assert_consumed()
+
+
 def flops_per_token(model: tf.keras.Model) -> float:
     """Training FLOPs per token: 6 x the weights of the matmul layers (the embedding is a lookup)."""
     import tensorflow as tf

@@ -118,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     latest, meta = harness.resume_dir(args, must_match, state_file="meta.json")
     start_step, history = 0, []
     if latest is not None:
-        if args.test_break == "resume-fresh-optimizer":  # TESTS ONLY: the weights alone
-            tf.train.Checkpoint(model=model).read(str(latest / "ckpt")).expect_partial()
-        else:
-            checkpoint.read(str(latest / "ckpt")).assert_consumed()
+        keras_model.restore(checkpoint, model, str(latest / "ckpt"), weights_only=args.test_break == "resume-fresh-optimizer")
         start_step, history = meta["step"], meta["history"]
         if is_rank0:
             print(f"[{RECIPE}] resumed from {latest} (step {start_step})", flush=True)
