@@ -184,6 +184,17 @@ def job_nodes(job_id: str, run_index: int = 0) -> list[str]:
     return result.stdout.split()
 
 
+def step_launches(job_id: str, step: int = 0) -> dict[str, int]:
+    """Slurm's own record of where a job step ran, and as whom: each node's slurmd logs "launch task
+    StepId=JOB.STEP request from UID:U" when it starts the step's tasks there. {node: uid}."""
+    launched = {}
+    for log in sorted((CLUSTER_DIR / "log").glob("slurmd-*.log")):
+        match = re.search(rf"launch task StepId={job_id}\.{step} request from UID:(\d+)", log.read_text(errors="replace"))
+        if match:
+            launched[log.stem.removeprefix("slurmd-")] = int(match.group(1))
+    return launched
+
+
 def build_images(*images: str) -> None:
     """Build the cpu flavor of the images (from cache when unchanged). A failed build fails the test.
 

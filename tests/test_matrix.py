@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (REPO, TINY, build_images, container_env, job_nodes, job_state, losses, podman_hpc_migrate,
-                      podman_load_as_user, read_metrics, recipe_env, run, shifter_pull, submit_recipe)
+                      podman_load_as_user, read_metrics, recipe_env, run, shifter_pull, step_launches, submit_recipe)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
 MATRIX = REPO / "tests" / "matrix.toml"
@@ -226,6 +226,8 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     nodes = job_nodes(job)
     assert len(nodes) == cell["nodes"], nodes
     assert metrics["hostnames"] == [node for node in nodes for _ in range(cell["tasks_per_node"])]
+    # ... and the nodes whose slurmd started the job's step, as whom: on every node of the job, as its user.
+    assert step_launches(job) == {node: user.uid if user else 0 for node in nodes}, log
     if runtime != "none":
         assert metrics["container"] == CONTAINER[runtime] and metrics["python"] == IMAGE_PYTHON, metrics
     else:
