@@ -48,12 +48,25 @@ def single(out_dir, *args: str):
     return run([sys.executable, str(RECIPE), "--out-dir", str(out_dir), *args], env=recipe_env(), timeout=300)
 
 
-def assert_refused_by_every_rank(result, fragment: str) -> None:
-    """Each rank exits 2 with the one line (torchrun then reports the failed ranks with its own traceback)."""
+def assert_refused_by_every_rank(out_dir, nproc: int, *args: str, fragment: str) -> None:
+    """Every rank refuses on its own, with the one line and exit code 2, before any process group exists.
+
+    Each rank is started alone with torchrun's variables (no other rank, no rendezvous): under torchrun the
+    first refusal makes the agent stop the others, so whether they print their line is a race. A rank that
+    did not refuse would wait for the others at the rendezvous, and fail by the timeout instead."""
+    for rank in range(nproc):
+        result = run([sys.executable, str(RECIPE), "--out-dir", str(out_dir), *args], timeout=120,
+                     env=recipe_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                                    MASTER_PORT=str(free_port()), HPCML_EXPECTED_WORLD_SIZE=str(nproc)))
+        errors = [line for line in result.stderr.splitlines() if line.startswith("[megatron_tp_pp] error: ")]
+        assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], (rank, result.stderr)
+        assert "Traceback" not in result.stderr, (rank, result.stderr)
+    # And through torchrun itself: the job fails with the rank's exit code 2, not with a traceback of the recipe.
+    result = torchrun(out_dir, nproc, *args)
     errors = [line for line in result.stderr.splitlines() if line.startswith("[megatron_tp_pp] error: ")]
-    assert result.returncode != 0 and len(errors) == 2 and all(fragment in line for line in errors), result.stderr
+    assert result.returncode != 0 and errors and all(fragment in line for line in errors), result.stderr
     assert "exitcode  : 2" in result.stderr and "train.py\", line" not in result.stderr, result.stderr
-    assert not (Path(result.args[result.args.index("--out-dir") + 1]) / "metrics.json").exists()
+    assert not (Path(out_dir) / "metrics.json").exists()
 
 
 def allowed_shim_sites() -> set[str]:
@@ -134,8 +147,8 @@ def test_layout_matches_one_process(references, tmp_path, name):
 def test_batched_p2p_with_virtual_stages_is_refused_and_caught(reference, tmp_path):
     """PP 2 + virtual stages + batched p2p swaps activations silently (exit 0, wrong losses). The recipe
     refuses it; forced through, the parity check must see the loss go wrong (the negative control)."""
-    refused = torchrun(tmp_path / "refused", 2, *STEPS, "--pp", "2", "--vp", "2", "--batch-p2p-comm")
-    assert_refused_by_every_rank(refused, "drop --batch-p2p-comm")
+    assert_refused_by_every_rank(tmp_path / "refused", 2, *STEPS, "--pp", "2", "--vp", "2", "--batch-p2p-comm",
+                                 fragment="drop --batch-p2p-comm")
 
     forced = tmp_path / "forced"
     assert_ok(torchrun(forced, 2, *STEPS, "--pp", "2", "--vp", "2", "--batch-p2p-comm", "--unsafe-batch-p2p-with-vp"))
@@ -250,8 +263,8 @@ def test_tp_across_nodes_warns_but_runs(tmp_path):
 
 def test_world_that_does_not_fit_is_refused_before_megatron_starts(tmp_path):
     """Not only in the preflight: the ranks themselves refuse, each with the same line, no traceback."""
-    result = torchrun(tmp_path, 2, *STEPS, "--tp", "2", "--pp", "2")
-    assert_refused_by_every_rank(result, "world size 2 is not divisible by TP x PP = 2 x 2 = 4")
+    assert_refused_by_every_rank(tmp_path, 2, *STEPS, "--tp", "2", "--pp", "2",
+                                 fragment="world size 2 is not divisible by TP x PP = 2 x 2 = 4")
 
 
 def test_shim_rewrites_placement_only_and_records_where():
