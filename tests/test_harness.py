@@ -182,3 +182,24 @@ def test_the_parity_comparison_fails_a_curve_that_went_nan():
     assert max_relative_difference([1.0, 2.0], [1.0, 2.0]) == 0.0
     assert max_relative_difference([1.0, float("nan")], [1.0, 2.0]) == float("inf")
     assert max_relative_difference([1.0, 2.0], [1.0, float("inf")]) == float("inf")
+
+
+def test_only_a_collective_that_lost_its_peer_is_named_a_collective_failure():
+    """A bug in this process (on a GPU once: 'expected scalar type BFloat16 but found Float' inside the model)
+    keeps its traceback; gloo's lost-peer and timeout errors and NCCL's DistBackendError become the one line."""
+    import torch.distributed as dist
+
+    from harness.launch import failed_collective_rank
+
+    bug = RuntimeError("expected scalar type BFloat16 but found Float")
+    lost_peer = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:41234: Connection reset by peer")
+    timed_out = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete")
+    assert failed_collective_rank(lost_peer) is None  # no process group yet: nothing to blame on another rank
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert failed_collective_rank(bug) is None
+        assert failed_collective_rank(ValueError("Connection reset by peer")) is None
+        assert failed_collective_rank(lost_peer) == 0 and failed_collective_rank(timed_out) == 0
+        assert failed_collective_rank(dist.DistBackendError("NCCL communicator was aborted on rank 0")) == 0
+    finally:
+        dist.destroy_process_group()

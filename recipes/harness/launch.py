@@ -282,15 +282,26 @@ def max_difference_across_ranks(tensors: list[torch.Tensor], world_size: int, gr
     return float((highest - lowest).max())
 
 
+# What torch.distributed's errors say when the other side of a collective went away or never came: gloo
+# raises a plain RuntimeError from its transport ("Connection reset by peer", "Timed out waiting 5000ms for
+# recv"), NCCL a DistBackendError. Any other RuntimeError (a dtype mismatch, a shape error) is a bug in this
+# process and keeps its traceback: naming it "a collective failed" would send the user to the wrong rank.
+COLLECTIVE_FAILURE_SIGNS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer",
+                            "Timed out waiting", "NCCL", "ProcessGroup", "Broken pipe")
+
+
 def failed_collective_rank(error: BaseException) -> int | str | None:
     """This process's rank if ``error`` is a collective that failed, else None (then it is a real bug).
 
-    torch.distributed raises RuntimeError (DistBackendError) once its group exists; Horovod raises its own
-    and TensorFlow's errors. Only frameworks already imported are asked (no torch in the TensorFlow recipes).
+    Once its group exists, torch.distributed raises DistError (NCCL) or a RuntimeError from gloo's transport
+    (COLLECTIVE_FAILURE_SIGNS); Horovod raises its own and TensorFlow's errors. Only frameworks already
+    imported are asked (no torch in the TensorFlow recipes).
     """
     torch_dist = sys.modules.get("torch.distributed")
     if isinstance(error, RuntimeError) and torch_dist and torch_dist.is_available() and torch_dist.is_initialized():
-        return torch_dist.get_rank()
+        if isinstance(error, getattr(torch_dist, "DistError", ())) or any(sign in str(error) for sign in COLLECTIVE_FAILURE_SIGNS):
+            return torch_dist.get_rank()
+        return None
     if type(error).__module__.startswith(("tensorflow", "horovod")):
         for name in ("horovod.tensorflow", "horovod.torch"):
             hvd = sys.modules.get(name)
