@@ -217,6 +217,23 @@ def test_checkpoint_resume_same_and_other_layout(tmp_path):
     COVERING_TESTS.add("resume")
 
 
+def test_bf16_the_gpu_dtype_trains_checkpoints_and_resumes(tmp_path):
+    """bf16 (the default on a GPU) as Megatron-LM runs it: every parameter bf16 (the local spec's LayerNorm
+    included, which once stayed fp32: CUDA's layer norm refused it, and the mixed-precision optimizer's
+    checkpoint failed), fp32 master weights in the optimizer, and a resume that continues the same curve."""
+    steps = [*STEPS[:STEPS.index("--optimizer")], "--dtype", "bf16", "--checkpoint-every", "2"]
+    uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    assert_ok(single(uninterrupted, *steps))
+    metrics = checked_metrics(uninterrupted)
+    assert metrics["dtype"] == "torch.bfloat16" and metrics["parameter_dtypes"] == ["torch.bfloat16"], metrics
+    assert metrics["optimizers"] == ["Float16OptimizerWithFloat16Params"] and metrics["model_wrapper"] == "DistributedDataParallel"
+    assert_ok(single(interrupted, *steps, "--stop-at-step", "2"))
+    resumed = single(interrupted, *steps)
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout and losses(read_metrics(interrupted)) == losses(metrics)
+    COVERING_TESTS.add("bf16")
+
+
 def test_resume_refuses_another_model(tmp_path):
     assert_ok(single(tmp_path, "--seq-len", "32", "--max-steps", "2", "--checkpoint-every", "1"))
     result = single(tmp_path, "--seq-len", "32", "--max-steps", "4", "--num-layers", "2")
@@ -302,6 +319,6 @@ def every_allowed_shim_site_is_still_needed():
     needed by one of their runs. An entry no run needs any more (megatron dropped that CUDA assumption) is
     removed from the list, so the list stays the truth. Fails as an error at the module's teardown."""
     yield
-    if COVERING_TESTS == {*LAYOUTS, "resume", "batched-p2p"}:
+    if COVERING_TESTS == {*LAYOUTS, "resume", "batched-p2p", "bf16"}:
         unused = allowed_shim_sites() - SEEN_SHIM_SITES
         assert not unused, f"{SHIM_ALLOW_LIST.name} allows sites no run needed any more: remove {sorted(unused)}"

@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
 
     if args.test_break == "tp-no-reduce":  # TESTS ONLY: each TP rank keeps its partial sum
         tensor_parallel.layers.reduce_from_tensor_model_parallel_region = lambda tensor, group=None: tensor
@@ -210,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     n_params = count_global_parameters(model_chunks, layout, args.tie_embeddings, device)
     flops_per_token = harness.transformer_flops_per_token(n_params, args.num_layers, args.hidden_size, args.seq_len)
 
+    if dtype == torch.bfloat16:
+        # As Megatron-LM does: every parameter in bf16 (the local spec's torch LayerNorm ignores params_dtype and
+        # stays fp32, which CUDA's layer norm refuses next to bf16 activations, and which throws the mixed-precision
+        # optimizer's checkpoint mapping off), the logits back in fp32 for the loss.
+        model_chunks = [Float16Module(config, chunk) for chunk in model_chunks]
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.distributed_optimizer)
     model_chunks = [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)  # as Megatron-LM does
@@ -266,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
 
     layout_info = asdict(layout)
     run_info = {**harness.describe_run(env, backend, device, type(model_chunks[0]).__name__, **layout_info),
-                "megatron_core_version": megatron_version, "optimizer": type(optimizer).__name__, "dtype": str(dtype),
+                "megatron_core_version": megatron_version, "optimizer": type(optimizer).__name__,
+                "optimizers": [type(inner).__name__ for inner in getattr(optimizer, "chained_optimizers", [optimizer])],
+                "dtype": str(dtype),
+                "parameter_dtypes": sorted({str(p.dtype) for chunk in model_chunks for p in chunk.parameters()}),
                 "layer_spec": "transformer_engine" if use_te else "local", "cpu_placement_shim": device.type == "cpu",
                 "hostnames": hostnames}
     metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_logging_rank,
