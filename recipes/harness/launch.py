@@ -209,7 +209,8 @@ def setup_torch_distributed(env: DistEnv, timeout_s: float, always_group: bool =
         if dist.get_world_size() != env.world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {env.world_size}")
     elif always_group:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if backend == "nccl" else None)  # (else barrier() warns on GPU)
     return device, backend
 
 
