@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics.write()
 
     # ---- training loop: one optimizer step = --grad-accum micro-batches on every rank
-    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(world_size, device))
     model.train()
     micro_rows = args.global_batch // (world_size * args.grad_accum)

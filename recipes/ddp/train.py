@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics.write()
 
     # ---- training loop
-    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     for step in run.steps():
         position = step - start_step if args.test_break == "resume-data-from-start" else step  # the data's step

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics.write()
 
     # ---- training loop: one optimizer step = --grad-accum micro-batches on every rank
-    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     for step in run.steps():
         inputs, targets = data.local_batch(step, global_batch, dp_rank, dp)

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics.write()
 
     # ---- training loop: every DP rank its rows of the step's batch; TP and PP ranks of a replica the same
-    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     for stage in stages:
         stage.train()

@@ -27,7 +27,7 @@ from .cli import (
     parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible,
     require_positive, stderr_line, tensorboard_dir, validate_run,
 )
-from .data import numpy_token_batch, SyntheticTokens
+from .data import numpy_batches, numpy_token_batch, SyntheticTokens, TokenFileData, training_data
 from .launch import (
     all_hostnames, check_expected_world_size, default_master_port, detect_dist_env, DistEnv, expand_hostlist,
     EXPECTED_WORLD_SIZE_ENV, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
@@ -44,11 +44,11 @@ __all__ = [
     "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV",
     "gpu_for_local_rank", "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "leave_process_group",
     "list_checkpoint_dirs", "list_checkpoints", "main_entry", "max_across_ranks", "max_difference_across_ranks",
-    "mean_across_ranks", "MetricsLogger", "new_parser", "nodes_in_job", "numpy_token_batch",
+    "mean_across_ranks", "MetricsLogger", "new_parser", "nodes_in_job", "numpy_batches", "numpy_token_batch",
     "parse_args_with_config", "parse_recipe_args", "peak_flops", "preflight_line", "publish_checkpoint_dir",
     "ranks_per_node", "require_at_least_one", "require_divisible", "require_positive", "restore_rng_state",
     "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
     "save_sharded_checkpoint", "setup_torch_distributed", "staging_checkpoint_dir", "start_metrics",
-    "stderr_line", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir",
-    "torch_optimizer", "TRAINER_STATE", "TrainingRun", "transformer_flops_per_token", "validate_run",
+    "stderr_line", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir", "TokenFileData",
+    "torch_optimizer", "training_data", "TRAINER_STATE", "TrainingRun", "transformer_flops_per_token", "validate_run",
 ]

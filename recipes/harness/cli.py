@@ -103,6 +103,9 @@ def add_test_break_option(p: argparse.ArgumentParser, needs_ranks: dict[str, str
 
 def add_data_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
+    g.add_argument("--data", default="synthetic", metavar="PREFIX",
+                   help="synthetic (default), or a token file: PREFIX.bin/.idx/.json as recipes/data/prepare.py "
+                        "writes them (megatron's indexed-dataset format; e.g. make data: data/stdlib/tokens)")
     g.add_argument("--seq-len", type=int, default=64)
     g.add_argument("--vocab-size", type=int, default=256)
 
@@ -123,7 +126,12 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
     add_data_options(p)
     if gpt_model:
         add_gpt_options(p)
-    return parse_args_with_config(p, argv)
+    args = parse_args_with_config(p, argv)
+    from .data import check_data_option  # (data.py imports ConfigError from here)
+
+    require_at_least_one(args, "seq_len", "vocab_size")
+    check_data_option(args.data, args.vocab_size, args.seq_len)  # on every rank and in the preflight: before any rank
+    return args
 
 
 def require_at_least_one(args: argparse.Namespace, *names: str) -> None:

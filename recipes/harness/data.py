@@ -1,15 +1,36 @@
-"""The training data: deterministic synthetic token batches, the same global batch for step ``s`` at any
-world size, so a parallel run can be compared with one process step by step.
+"""The training data: the same global batch for step ``s`` at any world size (rank r takes its rows), so a
+parallel run can be compared with one process step by step, and a resume continues mid-epoch exactly (the
+position in the data is the step, which every checkpoint holds).
 
-``SyntheticTokens`` for the PyTorch recipes, ``numpy_token_batch`` for the TensorFlow ones (no torch).
+Two sources, chosen with ``--data``:
+- ``synthetic`` (the default): ``SyntheticTokens`` for the PyTorch recipes, ``numpy_token_batch`` for the
+  TensorFlow ones (no torch);
+- ``PREFIX``: a token file, PREFIX.bin + PREFIX.idx in megatron-core's indexed-dataset format (what
+  Megatron-LM's preprocessing writes) and PREFIX.json beside them (dtype, vocabulary size, tokenizer, the
+  train/validation split by document), written by recipes/data/prepare.py. ``TokenFileData`` reads it
+  through ``np.memmap`` (no copy into memory): sample k of an epoch is the window of seq_len + 1 tokens
+  at k * seq_len of the split's token stream, the samples in a seeded random order per epoch.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import struct
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cli import ConfigError
+
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+
+TOKEN_FILE_FORMAT = "megatron-indexed-dataset-v1"
+INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron/core/datasets/indexed_dataset.py, version 1
+INDEX_DTYPE_CODES = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float64": 6, "float32": 7, "uint16": 8}
+INDEX_FIXED_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, sequence and document counts
+SPLITS = ("train", "validation")
 
 
 class SyntheticTokens:
@@ -49,3 +70,152 @@ def numpy_token_batch(vocab_size: int, seq_len: int, seed: int, step: int, batch
     stride = generator.integers(1, max_stride + 1, (batch_size, 1))
     tokens = ((start + stride * np.arange(seq_len + 1)) % vocab_size).astype(np.int32)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The smallest dtype that holds every token id (Megatron's choice: uint16 up to 65536 ids, else int32)."""
+    return "uint16" if vocab_size <= 65536 else "int32"
+
+
+def write_token_file(prefix: Path, documents: list, vocab_size: int, tokenizer: str, validation_documents: int,
+                     extra: dict | None = None) -> dict:
+    """PREFIX.bin, PREFIX.idx (one sequence per document) and PREFIX.json; the last ``validation_documents``
+    documents are the validation split. Each file is written beside its final name and renamed into place,
+    the sidecar last: an interrupted write leaves no PREFIX.json, and a reader refuses the prefix."""
+    import numpy as np
+
+    dtype = np.dtype(token_dtype(vocab_size))
+    lengths = np.array([len(document) for document in documents], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))[:-1]]).astype(np.int64) * dtype.itemsize
+    meta = {"format": TOKEN_FILE_FORMAT, "dtype": dtype.name, "vocab_size": vocab_size, "tokenizer": tokenizer,
+            "documents": len(documents), "tokens": int(lengths.sum()),
+            "splits": {"train": [0, len(documents) - validation_documents],
+                       "validation": [len(documents) - validation_documents, len(documents)]}, **(extra or {})}
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    partial = {suffix: Path(f"{prefix}{suffix}.partial") for suffix in (".bin", ".idx", ".json")}
+    with open(partial[".bin"], "wb") as out:
+        for document in documents:
+            out.write(np.asarray(document, dtype=dtype).tobytes())
+    with open(partial[".idx"], "wb") as out:
+        out.write(INDEX_HEADER + struct.pack("<Q", 1) + struct.pack("<B", INDEX_DTYPE_CODES[dtype.name]))
+        out.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(lengths) + 1))
+        out.write(lengths.tobytes() + pointers.tobytes() + np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+    partial[".json"].write_text(json.dumps(meta, indent=1) + "\n")
+    for suffix in (".bin", ".idx", ".json"):
+        os.replace(partial[suffix], f"{prefix}{suffix}")
+    return meta
+
+
+def read_token_file_meta(prefix: str | Path) -> dict:
+    """PREFIX.json, checked against PREFIX.idx and PREFIX.bin. ConfigError (one line, what to do) when a file
+    is missing, truncated or from another data set, before any rank starts."""
+    prefix = Path(prefix)
+    redo = f"run recipes/data/prepare.py --out {prefix} again (or fix --data)"
+    sidecar, index, tokens = (Path(f"{prefix}{suffix}") for suffix in (".json", ".idx", ".bin"))
+    for path in (sidecar, index, tokens):
+        if not path.is_file():
+            raise ConfigError(f"--data {prefix}: {path} {'is not a file' if path.exists() else 'does not exist'}; {redo}")
+    try:
+        meta = json.loads(sidecar.read_text())
+        assert meta["format"] == TOKEN_FILE_FORMAT and meta["dtype"] in INDEX_DTYPE_CODES
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise ConfigError(f"--data {prefix}: {sidecar} is not a {TOKEN_FILE_FORMAT} sidecar; {redo}") from None
+    with open(index, "rb") as stream:
+        fixed = stream.read(INDEX_FIXED_BYTES)
+    if len(fixed) < INDEX_FIXED_BYTES or not fixed.startswith(INDEX_HEADER):
+        raise ConfigError(f"--data {prefix}: {index} is not a megatron index (.idx) file; {redo}")
+    version, code = struct.unpack("<Q", fixed[9:17])[0], fixed[17]
+    sequences, documents = struct.unpack("<QQ", fixed[18:34])
+    if version != 1 or code != INDEX_DTYPE_CODES[meta["dtype"]] or sequences != meta["documents"]:
+        raise ConfigError(f"--data {prefix}: {index} does not belong to {sidecar} (version {version}, dtype code {code}, "
+                          f"{sequences} sequences; the sidecar says {meta['dtype']}, {meta['documents']} documents); {redo}")
+    expected_index = INDEX_FIXED_BYTES + 4 * sequences + 8 * sequences + 8 * documents
+    if index.stat().st_size != expected_index:
+        raise ConfigError(f"--data {prefix}: {index} has {index.stat().st_size} bytes, its header needs {expected_index}; {redo}")
+    import numpy as np
+
+    expected_tokens = meta["tokens"] * np.dtype(meta["dtype"]).itemsize
+    if tokens.stat().st_size != expected_tokens:
+        raise ConfigError(f"--data {prefix}: {tokens} has {tokens.stat().st_size} bytes, the index says {expected_tokens} "
+                          f"({meta['tokens']} tokens): truncated or from another run; {redo}")
+    return meta
+
+
+def check_data_option(data: str, vocab_size: int, seq_len: int) -> None:
+    """--data: 'synthetic', or a prefix whose files are whole, whose token ids fit the model's --vocab-size
+    and whose training split holds at least one sample of --seq-len + 1 tokens."""
+    if data == "synthetic":
+        return
+    meta = read_token_file_meta(data)
+    if meta["vocab_size"] > vocab_size:
+        raise ConfigError(f"--data {data}: its tokenizer ({meta['tokenizer']}) has {meta['vocab_size']} token ids, more than "
+                          f"--vocab-size {vocab_size}: use --vocab-size {meta['vocab_size']} or more")
+    train_tokens = TokenFileData(data, seq_len, seed=0).tokens.size
+    if train_tokens < seq_len + 1:
+        raise ConfigError(f"--data {data}: the training split has {train_tokens} tokens, fewer than one sample of "
+                          f"--seq-len {seq_len} + 1: use a larger corpus or a smaller --seq-len")
+
+
+class TokenFileData:
+    """Batches from a token file (see the module docstring); the same interface as SyntheticTokens, plus
+    ``numpy_global_batch`` for the TensorFlow recipes."""
+
+    def __init__(self, prefix: str | Path, seq_len: int, seed: int, split: str = "train"):
+        import numpy as np
+
+        meta = read_token_file_meta(prefix)
+        first, last = meta["splits"][split]
+        lengths = np.fromfile(f"{prefix}.idx", dtype=np.int32, count=meta["documents"], offset=INDEX_FIXED_BYTES)
+        starts = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))])
+        # Documents are contiguous in PREFIX.bin: a split is one range of the token stream.
+        self.tokens = np.memmap(f"{prefix}.bin", dtype=meta["dtype"], mode="r")[starts[first]:starts[last]]
+        self.meta, self.seq_len, self.seed, self.split = meta, seq_len, seed, split
+        self.samples_per_epoch = max((self.tokens.size - 1) // seq_len, 0)
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The order of the samples in ``epoch`` (a permutation, seeded by the seed and the epoch)."""
+        import numpy as np
+
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng(self.seed * 1_000_003 + epoch).permutation(self.samples_per_epoch))
+        return self._order[1]
+
+    def numpy_global_batch(self, step: int, batch_size: int):
+        """Step ``step``'s global batch as int64 arrays (inputs, targets): samples step * batch_size onwards."""
+        import numpy as np
+
+        rows = []
+        for sample in range(step * batch_size, (step + 1) * batch_size):
+            epoch, position = divmod(sample, self.samples_per_epoch)
+            start = int(self.order(epoch)[position]) * self.seq_len
+            rows.append(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+        tokens = np.stack(rows)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        inputs, targets = self.numpy_global_batch(step, batch_size)
+        return torch.from_numpy(inputs), torch.from_numpy(targets)
+
+    def local_batch(self, step: int, global_batch_size: int, rank: int, world_size: int):
+        inputs, targets = self.global_batch(step, global_batch_size)
+        per_rank = global_batch_size // world_size
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        return inputs[rows], targets[rows]
+
+
+def training_data(args) -> SyntheticTokens | TokenFileData:
+    """The PyTorch recipes' data: --data synthetic or a token file (checked by parse_recipe_args)."""
+    if args.data == "synthetic":
+        return SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    return TokenFileData(args.data, args.seq_len, args.seed)
+
+
+def numpy_batches(args):
+    """The TensorFlow recipes' data: a function (step, global batch size) -> (inputs, targets) int arrays."""
+    if args.data == "synthetic":
+        return lambda step, batch_size: numpy_token_batch(args.vocab_size, args.seq_len, args.seed, step, batch_size)
+    data = TokenFileData(args.data, args.seq_len, args.seed)
+    return lambda step, batch_size: tuple(array.astype("int32") for array in data.numpy_global_batch(step, batch_size))

@@ -172,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     run = harness.TrainingRun(RECIPE, args, rank, start_step, agree)
     sync_checks = []
     global_batch = args.batch_per_rank * world_size
+    batches = harness.numpy_batches(args)  # --data: synthetic or a token file
     for step in run.steps():
-        inputs, targets = harness.numpy_token_batch(args.vocab_size, args.seq_len, args.seed, step, global_batch)
+        inputs, targets = batches(step, global_batch)
         rows = slice(rank * args.batch_per_rank, (rank + 1) * args.batch_per_rank)
         loss = float(train_step(inputs[rows], targets[rows]))  # float(): waits for the step, for the timing
         metrics.log_step(step, loss, global_batch, run.step_time(), lr)

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = harness.training_data(args)  # --data: synthetic or a token file
     global_batch = args.batch_per_rank * world_size
     env = harness.DistEnv(rank, hvd.local_rank(), world_size, "", 0, launcher)
     versions = {"torch_version": torch.__version__, "horovod_version": horovod.__version__}

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- data: every DP rank takes its rows of the step's global batch, cut into micro-batches; all TP
     # and PP ranks of a replica read the same rows (stage 0 uses the tokens, the last stage the labels)
-    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = harness.training_data(args)  # --data: synthetic or a token file
     # megatron's own attention needs the causal mask spelled out (True = masked); Transformer Engine's
     # applies its causal mask type itself and takes none.
     causal_mask = None if use_te else torch.triu(

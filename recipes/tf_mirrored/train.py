@@ -159,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         losses = strategy.run(replica_step, args=(step_inputs, step_targets))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
+    batches = harness.numpy_batches(args)  # --data: synthetic or a token file
+
     def replica_rows(step: int):
-        inputs, targets = harness.numpy_token_batch(args.vocab_size, args.seq_len, args.seed, step, args.global_batch)
+        inputs, targets = batches(step, args.global_batch)
         rows = lambda ctx: slice(ctx.replica_id_in_sync_group * per_replica, (ctx.replica_id_in_sync_group + 1) * per_replica)  # noqa: E731
         return (strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(inputs[rows(ctx)])),
                 strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(targets[rows(ctx)])))

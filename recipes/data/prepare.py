@@ -1,0 +1,132 @@
+"""Prepare a token file for the recipes' --data: text files or JSONL -> PREFIX.bin, PREFIX.idx, PREFIX.json.
+
+    python recipes/data/prepare.py --out data/stdlib/tokens                 # the Python standard library's sources
+    python recipes/data/prepare.py --out data/mine/tokens notes/ more.txt corpus.jsonl --workers 8
+    make data                                                               # the first line
+    torchrun --standalone --nproc_per_node=2 recipes/ddp/train.py --data data/stdlib/tokens
+
+The format is megatron-core's indexed dataset (what Megatron-LM's preprocess_data.py writes: a .bin of
+token ids, one sequence per document, and its .idx), so Megatron users bring what they have, plus a
+sidecar PREFIX.json with the dtype, the vocabulary size, the tokenizer and the train/validation split
+(the last --valid-fraction of the documents, at least one). The tokenizer is byte-level: a document's
+UTF-8 bytes are its token ids (256 of them: the recipes' default --vocab-size), so nothing is downloaded.
+
+Inputs: files or directories (searched for --suffixes); a .jsonl file is one document per line, its
+"text" field. Documents are read in sorted path order, tokenized by --workers processes, and written
+beside their final names, then renamed into place, the sidecar last: an interrupted run leaves no
+PREFIX.json, and the recipes refuse the prefix. A rerun whose inputs (paths, sizes, modification times)
+and options have not changed finds PREFIX.json up to date and does nothing.
+
+On a cluster, prepare once on a login node into the shared file system (Perlmutter: $SCRATCH) and pass the
+prefix to every rank: the files are read through np.memmap, each rank its own rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the shared harness
+import harness  # noqa: E402
+from harness.data import read_token_file_meta, write_token_file  # noqa: E402
+
+PREPARE = "prepare"
+BYTE_TOKENIZER = "bytes (UTF-8, 256 ids)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = harness.new_parser(__doc__)
+    p.add_argument("inputs", nargs="*", type=Path,
+                   help="files and directories (default: the Python standard library's source directory)")
+    p.add_argument("--out", type=Path, required=True, help="the prefix to write: OUT.bin, OUT.idx, OUT.json")
+    p.add_argument("--suffixes", default=".py,.txt,.md,.rst,.jsonl", help="what to take from directories")
+    p.add_argument("--valid-fraction", type=float, default=0.05, help="the last documents, for evaluation")
+    p.add_argument("--workers", type=int, default=min(8, multiprocessing.cpu_count()))
+    p.add_argument("--force", action="store_true", help="rewrite even when OUT.json is up to date")
+    args = p.parse_args(argv)
+    if not args.inputs:
+        args.inputs = [Path(sysconfig.get_paths()["stdlib"])]
+    if not 0 < args.valid_fraction < 1:
+        raise harness.ConfigError(f"--valid-fraction must be between 0 and 1, got {args.valid_fraction}")
+    harness.require_at_least_one(args, "workers")
+    if args.out.is_dir() or str(args.out).endswith("/"):
+        raise harness.ConfigError(f"--out {args.out} is a directory: give a prefix in it, e.g. --out {args.out / 'tokens'}")
+    return args
+
+
+def input_files(inputs: list[Path], suffixes: set[str]) -> list[Path]:
+    files = set()
+    for path in inputs:
+        if path.is_dir():
+            files.update(f for f in path.rglob("*") if f.is_file() and f.suffix in suffixes)
+        elif path.is_file():
+            files.add(path)
+        else:
+            raise harness.ConfigError(f"input {path} does not exist")
+    return sorted(files)
+
+
+def inputs_digest(files: list[Path], args: argparse.Namespace) -> str:
+    """What decides the output: every input's path, size and modification time, and the options."""
+    digest = hashlib.sha256(json.dumps([BYTE_TOKENIZER, args.valid_fraction]).encode())
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def tokenize_file(path: Path) -> list[bytes]:
+    """One file's documents as byte-level token ids (bytes: the ids 0-255); no empty documents."""
+    if path.suffix == ".jsonl":
+        documents = []
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if line.strip():
+                try:
+                    documents.append(json.loads(line)["text"].encode("utf-8"))
+                except (ValueError, KeyError, TypeError):
+                    raise harness.ConfigError(f"{path}:{number}: not a JSON object with a \"text\" field") from None
+        return [d for d in documents if d]
+    text = path.read_bytes().decode("utf-8", errors="replace").encode("utf-8")  # valid UTF-8, as text tools write it
+    return [text] if text else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    import numpy as np
+
+    args = parse_args(argv)
+    files = input_files(args.inputs, set(args.suffixes.split(",")))
+    digest = inputs_digest(files, args)
+    if not args.force and Path(f"{args.out}.json").exists():
+        try:
+            if read_token_file_meta(args.out).get("inputs_digest") == digest:
+                print(f"[{PREPARE}] {args.out}.bin/.idx/.json are up to date ({len(files)} input files unchanged)")
+                return 0
+        except harness.ConfigError:
+            pass  # damaged or partial: write it again
+    started = time.monotonic()
+    documents = []
+    with multiprocessing.Pool(args.workers) as pool:
+        for done, file_documents in enumerate(pool.imap(tokenize_file, files, chunksize=16), 1):
+            documents.extend(np.frombuffer(d, dtype=np.uint8) for d in file_documents)
+            if done % 500 == 0 or done == len(files):
+                print(f"[{PREPARE}] {done}/{len(files)} files, {len(documents)} documents", file=sys.stderr, flush=True)
+    if len(documents) < 2:
+        raise harness.ConfigError(f"the inputs ({', '.join(map(str, args.inputs))}) hold {len(documents)} non-empty "
+                                  "documents: a training and a validation split need at least 2")
+    validation = max(1, round(len(documents) * args.valid_fraction))
+    meta = write_token_file(args.out, documents, vocab_size=256, tokenizer=BYTE_TOKENIZER, validation_documents=validation,
+                            extra={"inputs": [str(p) for p in args.inputs], "input_files": len(files), "inputs_digest": digest})
+    seconds = time.monotonic() - started
+    print(f"[{PREPARE}] wrote {args.out}.bin/.idx/.json: {meta['documents']} documents ({validation} for validation), "
+          f"{meta['tokens']:,} tokens, {meta['dtype']}, in {seconds:.1f} s ({meta['tokens'] / seconds / 1e6:.1f} M tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    harness.main_entry(PREPARE, main)

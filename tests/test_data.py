@@ -1,0 +1,192 @@
+"""Real data: recipes/data/prepare.py writes megatron-core's indexed-dataset format from real text (the
+Python standard library's own sources), megatron-core reads the same tokens, every recipe trains on it
+with --data, two DDP ranks match one process on it, a resume continues mid-epoch on the same curve, and
+broken token files are refused with one line before any rank starts.
+
+Tolerance: as tests/test_ddp_parity.py (relative difference of the per-step loss <= 1e-5, plain SGD), with
+its negative control (gradients summed over the ranks) caught by more than 100x.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_ok, losses, max_relative_difference, read_metrics, recipe_env, run, run_single, run_torchrun
+from test_warnings import RUNS, start
+
+PREPARE = REPO / "recipes" / "data" / "prepare.py"
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+LOSS_RTOL = 1e-5
+SGD = ["--optimizer", "sgd", "--lr", "1.0", "--checkpoint-every", "0", "--no-resume"]
+
+
+def prepare(out: Path, *inputs: Path | str, **kwargs) -> "subprocess.CompletedProcess":  # noqa: F821
+    return run([sys.executable, str(PREPARE), "--out", str(out), "--workers", "2", *map(str, inputs)],
+               env=recipe_env(), timeout=300, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Two packages of the standard library: about 40 files, 0.4 M tokens."""
+    prefix = tmp_path_factory.mktemp("data") / "stdlib"
+    assert_ok(prepare(prefix, STDLIB / "json", STDLIB / "email"))
+    return prefix
+
+
+def test_prepare_writes_megatrons_format_and_megatron_reads_the_same_tokens(corpus):
+    meta = json.loads(Path(f"{corpus}.json").read_text())
+    assert meta["format"] == "megatron-indexed-dataset-v1" and meta["dtype"] == "uint16" and meta["vocab_size"] == 256
+    documents = meta["documents"]
+    assert documents > 30 and meta["splits"] == {"train": [0, documents - 2], "validation": [documents - 2, documents]}
+    source = (STDLIB / "json" / "__init__.py").read_bytes()
+    stream = np.fromfile(f"{corpus}.bin", dtype=np.uint16)
+    assert stream.size == meta["tokens"] > 300_000 and bytes(stream.astype(np.uint8)).find(source) >= 0
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(corpus))  # megatron-core's own reader of its format
+    assert len(dataset) == documents
+    assert np.array_equal(np.concatenate([dataset[i] for i in range(documents)]), stream)
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    from harness.data import TokenFileData
+
+    data = TokenFileData(corpus, seq_len=64, seed=7)
+    train_tokens = np.concatenate([dataset[i] for i in range(documents - 2)])
+    assert data.tokens.size == train_tokens.size and isinstance(data.tokens, np.memmap)
+    inputs, targets = data.numpy_global_batch(step=5, batch_size=4)
+    for row, sample in enumerate(range(20, 24)):  # samples 20..23 of epoch 0, at their shuffled positions
+        start_token = int(data.order(0)[sample]) * 64
+        assert np.array_equal(inputs[row], train_tokens[start_token:start_token + 64])
+        assert np.array_equal(targets[row], train_tokens[start_token + 1:start_token + 65])
+    validation = TokenFileData(corpus, seq_len=64, seed=7, split="validation")
+    assert validation.tokens.size == stream.size - train_tokens.size
+
+
+def test_prepare_skips_unchanged_inputs_and_redoes_changed_ones(tmp_path):
+    inputs = tmp_path / "inputs"
+    shutil.copytree(STDLIB / "json", inputs)
+    prefix = tmp_path / "out" / "tokens"
+    assert_ok(prepare(prefix, inputs))
+    written = Path(f"{prefix}.bin").stat().st_mtime_ns
+    again = prepare(prefix, inputs)
+    assert_ok(again)
+    assert "up to date" in again.stdout and Path(f"{prefix}.bin").stat().st_mtime_ns == written
+    with open(inputs / "decoder.py", "a") as extra:
+        extra.write("# one more line\n")
+    changed = prepare(prefix, inputs)
+    assert_ok(changed)
+    assert "wrote" in changed.stdout and json.loads(Path(f"{prefix}.json").read_text())["tokens"] > 0
+    assert not list(prefix.parent.glob("*.partial"))
+
+
+def test_prepare_refuses_an_empty_corpus_and_bad_jsonl_and_writes_nothing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    for inputs, fragment in (([tmp_path / "empty"], "hold 0 non-empty documents"),
+                             ([tmp_path / "bad.jsonl"], 'bad.jsonl:2: not a JSON object with a "text" field'),
+                             ([tmp_path / "missing"], "does not exist")):
+        result = prepare(tmp_path / "out" / "tokens", *inputs)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("[prepare] error: ")]
+        assert result.returncode == 2 and len(errors) == 1, result.stderr
+        assert fragment in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def broken(corpus: Path, tmp_path: Path, how: str) -> Path:
+    """A copy of the corpus with one defect."""
+    prefix = tmp_path / "broken"
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(f"{corpus}{suffix}", f"{prefix}{suffix}")
+    if how == "missing-bin":
+        os.remove(f"{prefix}.bin")
+    elif how == "truncated-bin":
+        os.truncate(f"{prefix}.bin", os.path.getsize(f"{prefix}.bin") - 2)
+    elif how == "other-idx":
+        index = bytearray(Path(f"{prefix}.idx").read_bytes())
+        index[18:26] = (int.from_bytes(index[18:26], "little") - 1).to_bytes(8, "little")  # one sequence fewer
+        Path(f"{prefix}.idx").write_bytes(bytes(index))
+    elif how == "not-megatron-idx":
+        Path(f"{prefix}.idx").write_bytes(b"not an index")
+    return prefix
+
+
+@pytest.mark.parametrize("how, args, fragment", [
+    ("missing-bin", [], "broken.bin does not exist"),
+    ("truncated-bin", [], "truncated or from another run"),
+    ("other-idx", [], "does not belong to"),
+    ("not-megatron-idx", [], "is not a megatron index (.idx) file"),
+    ("whole", ["--vocab-size", "200"], "has 256 token ids, more than --vocab-size 200: use --vocab-size 256 or more"),
+    ("whole", ["--seq-len", "100000000"], "fewer than one sample of --seq-len 100000000"),
+])
+def test_a_broken_token_file_is_refused_before_any_rank_starts(corpus, tmp_path, how, args, fragment):
+    """slurm/lib/launch.sh runs the recipe's --preflight on the batch node before srun; the ranks check too."""
+    prefix = broken(corpus, tmp_path, how)
+    for extra in (["--preflight", "4"], []):
+        result = run_single(tmp_path / "run", "--data", str(prefix), *args, *extra)
+        assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.count("[ddp] error: ") == 1 and not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_two_ranks_on_real_data_match_one_process_and_the_control_is_caught(corpus, tmp_path):
+    args = ["--data", str(corpus), "--global-batch", "8", "--max-steps", "5", *SGD]
+    assert_ok(run_single(tmp_path / "one", *args))
+    reference = read_metrics(tmp_path / "one")
+    assert reference["config"]["data"] == str(corpus) and reference["world_size"] == 1
+    assert_ok(run_torchrun(tmp_path / "two", 2, *args))
+    parallel = read_metrics(tmp_path / "two")
+    assert parallel["world_size"] == 2 and parallel["backend"] == "gloo" and parallel["model_wrapper"] == "DistributedDataParallel"
+    assert max_relative_difference(losses(parallel), losses(reference)) <= LOSS_RTOL
+    # The data really is the corpus: the synthetic task's first loss differs (same weights, other tokens).
+    assert_ok(run_single(tmp_path / "synthetic", *args[2:]))
+    assert abs(losses(read_metrics(tmp_path / "synthetic"))[0] - losses(reference)[0]) > 1e-3
+    assert_ok(run_torchrun(tmp_path / "control", 2, *args, "--test-break", "grad-sum"))
+    assert max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)) > 100 * LOSS_RTOL
+
+
+def test_a_resume_mid_epoch_continues_the_same_curve(tmp_path):
+    """A corpus of 3 small files: 12 samples of 32 tokens per epoch, 4 per step, so 8 steps cross two epoch
+    boundaries; stopped at step 5 (mid-epoch) and resumed, the losses are the uninterrupted run's, bit for bit.
+    The control resumes at the first batch of the data instead, and is caught."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    for name in ("__init__.py", "decoder.py"):
+        shutil.copy(STDLIB / "json" / name, inputs / name)
+    (inputs / "zz_validation.txt").write_text("held out\n")
+    prefix = tmp_path / "tokens"
+    assert_ok(prepare(prefix, inputs))
+    seq_len = (json.loads(Path(f"{prefix}.json").read_text())["tokens"] - len("held out\n") - 1) // 12
+    args = ["--data", str(prefix), "--seq-len", str(seq_len), "--global-batch", "4", "--max-steps", "8",
+            "--checkpoint-every", "1", "--optimizer", "sgd", "--lr", "1.0"]
+    assert_ok(run_single(tmp_path / "whole", *args))
+    expected = losses(read_metrics(tmp_path / "whole"))
+    for defect in (None, "resume-data-from-start"):
+        out = tmp_path / f"resumed-{defect}"
+        assert_ok(run_single(out, *args, "--stop-at-step", "5"))
+        assert_ok(run_single(out, *args, *(["--test-break", defect] if defect else [])))
+        metrics = read_metrics(out)
+        assert metrics["resumed_from_step"] == 5 and [r["step"] for r in metrics["history"]] == list(range(1, 9))
+        if defect is None:
+            assert losses(metrics) == expected
+        else:
+            assert max_relative_difference(losses(metrics)[5:], expected[5:]) > 100 * LOSS_RTOL
+
+
+@pytest.mark.parametrize("recipe", RUNS)
+def test_every_recipe_trains_on_the_token_file(recipe, corpus, tmp_path):
+    """One process, 3 steps on the corpus: the run records the data it read, and its loss is that of text,
+    not of the synthetic task (the byte-level corpus starts near ln 256 and falls)."""
+    result = start(recipe, 1, tmp_path / "run", "--data", str(corpus), "--max-steps", "3")
+    assert_ok(result)
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics["config"]["data"] == str(corpus), metrics["config"]
+    assert all(np.isfinite(losses(metrics))) and len(losses(metrics)) == 3
