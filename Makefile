@@ -1,5 +1,6 @@
 # hpcml: containers, recipes and Slurm files for training on one GPU to many (Perlmutter first).
 #   make run    train the DDP recipe on 2 CPU processes here (creates .venv on first use)
+#   make data   a token file from real text for --data (data/stdlib/tokens: the Python standard library)
 #   make test   the default test suite (unit, parity, resume, bad input, launcher, local Slurm cluster; root):
 #               installs the Debian packages it needs (make system-deps), the venvs and the cpu images
 #   make system-deps   the Debian packages of requirements/debian.txt that are missing (root; once)
@@ -26,7 +27,7 @@ PYTEST_ARGS ?=
 PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) \
 	--durations=25 $(PYTEST_ARGS)
 
-.PHONY: help system-deps venv venv-tf run test test-unit test-slurm test-images shellcheck hadolint \
+.PHONY: help system-deps venv venv-tf data run test test-full test-unit test-slurm test-images shellcheck hadolint \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
 	bench bench-quick gpu-check nccl-check
 
@@ -34,7 +35,7 @@ help:
 	@sed -n 's/^#   //p' Makefile
 	@echo "images:  make build-IMAGE | push-IMAGE REGISTRY=... | pull-IMAGE REGISTRY=... | versions IMAGE=..."
 	@echo "         build-all, base-rootfs, pin-cuda-bases   (IMAGE: $(IMAGES); FLAVOR=cpu|cuda)"
-	@echo "tests:   test-unit test-slurm test-images hadolint shellcheck"
+	@echo "tests:   test-full (test + the slower tier), test-unit test-slurm test-images hadolint shellcheck"
 	@echo "bench:   bench (about 30 min), bench-quick; gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
 	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
 
@@ -72,6 +73,10 @@ $(VENV_TF)/.installed: requirements/tensorflow.txt containers/versions.env conta
 	TF_USE_LEGACY_KERAS=1 $(VENV_TF)/bin/python -c 'import horovod.tensorflow as hvd, horovod.torch; assert hvd.gloo_built() and hvd.mpi_built()'
 	touch $@
 
+# A token file from real text (the Python standard library's sources, byte-level): --data data/stdlib/tokens
+data: venv
+	$(PY) recipes/data/prepare.py --out data/stdlib/tokens
+
 run: venv
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
 		recipes/ddp/train.py --out-dir runs/ddp-local --no-resume
@@ -80,16 +85,21 @@ run: venv
 # test builds the cpu images it needs (cached after the first run; the horovod image compiles Horovod for
 # ~10 minutes on 2 cores the first time, here through venv-tf, which installs its wheel).
 test: system-deps venv venv-tf
+	$(PYTEST) -m "not full"
+
+# The slower tier as well (tests marked `full`: more matrix layouts and runtimes, the whole quick benchmark):
+# about 20 minutes more than `make test`.
+test-full: system-deps venv venv-tf
 	$(PYTEST)
 
 test-unit: venv venv-tf
-	$(PYTEST) -m "not slurm and not containers"
+	$(PYTEST) -m "not slurm and not containers and not full"
 
 test-slurm: system-deps venv venv-tf
-	$(PYTEST) -m slurm
+	$(PYTEST) -m "slurm and not full"
 
 test-images: system-deps venv venv-tf
-	$(PYTEST) -m containers
+	$(PYTEST) -m "containers and not full"
 
 # Benchmarks: ratios measured side by side (JSON, PNG and a Markdown table in runs/bench/).
 bench: venv

@@ -1,7 +1,8 @@
 """Real data: recipes/data/prepare.py writes megatron-core's indexed-dataset format from real text (the
 Python standard library's own sources), megatron-core reads the same tokens, every recipe trains on it
 with --data, two DDP ranks match one process on it, a resume continues mid-epoch on the same curve, and
-broken token files are refused with one line before any rank starts.
+broken token files are refused with one line before any rank starts. (Every recipe trains on a token
+file in tests/test_warnings.py's one-process runs.)
 
 Tolerance: as tests/test_ddp_parity.py (relative difference of the per-step loss <= 1e-5, plain SGD), with
 its negative control (gradients summed over the ranks) caught by more than 100x.
@@ -20,7 +21,6 @@ import numpy as np
 import pytest
 
 from conftest import REPO, assert_ok, losses, max_relative_difference, read_metrics, recipe_env, run, run_single, run_torchrun
-from test_warnings import RUNS, start
 
 PREPARE = REPO / "recipes" / "data" / "prepare.py"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -179,14 +179,3 @@ def test_a_resume_mid_epoch_continues_the_same_curve(tmp_path):
             assert losses(metrics) == expected
         else:
             assert max_relative_difference(losses(metrics)[5:], expected[5:]) > 100 * LOSS_RTOL
-
-
-@pytest.mark.parametrize("recipe", RUNS)
-def test_every_recipe_trains_on_the_token_file(recipe, corpus, tmp_path):
-    """One process, 3 steps on the corpus: the run records the data it read, and its loss is that of text,
-    not of the synthetic task (the byte-level corpus starts near ln 256 and falls)."""
-    result = start(recipe, 1, tmp_path / "run", "--data", str(corpus), "--max-steps", "3")
-    assert_ok(result)
-    metrics = read_metrics(tmp_path / "run")
-    assert metrics["config"]["data"] == str(corpus), metrics["config"]
-    assert all(np.isfinite(losses(metrics))) and len(losses(metrics)) == 3

@@ -146,6 +146,7 @@ def test_horovod_resume_continues_the_same_curve(tmp_path, defect):
     assert not list((split / "checkpoints").glob(".step_*.partial"))
 
 
+@pytest.mark.full  # (slower tier: the DDP checkpoint's change of world size runs in the default one)
 def test_a_horovod_checkpoint_resumes_at_another_world_size(tmp_path):
     """Rank 0's checkpoint holds the whole model and optimizer, and the data position is the step: 2 ranks'
     checkpoint continues on 1 process on the same curve (<= 1e-5), given the same global batch and the same

@@ -6,8 +6,12 @@ with why, and nothing else may appear.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -62,12 +66,27 @@ def warnings_in(result) -> list[str]:
     return [line for line in lines if WARNING.search(line) and not any(re.fullmatch(allowed, line) for allowed in UNAVOIDABLE)]
 
 
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    """Real text for --data (recipes/data/prepare.py: the standard library's json package, byte-level)."""
+    prefix = tmp_path_factory.mktemp("data") / "json"
+    result = run([sys.executable, str(REPO / "recipes" / "data" / "prepare.py"), "--out", str(prefix),
+                  str(Path(sysconfig.get_paths()["stdlib"]) / "json")], env=recipe_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    return prefix
+
+
 @pytest.mark.parametrize("recipe", RUNS)
-def test_one_process_trains_checkpoints_and_resumes_without_a_warning(recipe, tmp_path):
-    assert warnings_in(start(recipe, 1, tmp_path, "--max-steps", "2")) == []
-    resumed = start(recipe, 1, tmp_path, "--max-steps", "3")
+def test_one_process_trains_checkpoints_and_resumes_without_a_warning(recipe, token_file, tmp_path):
+    """On a token file (--data): so every recipe is also shown to train on real data, and to say so in its
+    metrics (the two-rank runs below, and every other test, use the synthetic task)."""
+    assert warnings_in(start(recipe, 1, tmp_path, "--max-steps", "2", "--data", str(token_file))) == []
+    resumed = start(recipe, 1, tmp_path, "--max-steps", "3", "--data", str(token_file))
     assert "resumed from" in resumed.stdout, resumed.stdout
     assert warnings_in(resumed) == []
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["config"]["data"] == str(token_file) and len(metrics["history"]) == 3
+    assert all(math.isfinite(record["loss"]) for record in metrics["history"])
 
 
 @pytest.mark.parametrize("recipe", RUNS)
