@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,9 @@ def test_prepare_writes_megatrons_format_and_megatron_reads_the_same_tokens(corp
     stream = np.fromfile(f"{corpus}.bin", dtype=np.uint16)
     assert stream.size == meta["tokens"] > 300_000 and bytes(stream.astype(np.uint8)).find(source) >= 0
 
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    with warnings.catch_warnings():  # megatron-core's import-time notices (no TE/apex here), not this test's
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(str(corpus))  # megatron-core's own reader of its format
     assert len(dataset) == documents
