@@ -88,7 +88,7 @@ test: system-deps venv venv-tf
 	$(PYTEST) -m "not full"
 
 # The slower tier as well (tests marked `full`: more matrix layouts and runtimes, the whole quick benchmark):
-# about 20 minutes more than `make test`.
+# about 6 minutes more than `make test` (2 workers, 2 cores).
 test-full: system-deps venv venv-tf
 	$(PYTEST)
 
