@@ -33,7 +33,20 @@ INDEX_FIXED_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8  # header, version, dtype 
 SPLITS = ("train", "validation")
 
 
-class SyntheticTokens:
+class GlobalBatches:
+    """What every data source shares: rank r of world_size takes rows [r * b, (r + 1) * b) of step s's global batch."""
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def local_batch(self, step: int, global_batch_size: int, rank: int, world_size: int):
+        inputs, targets = self.global_batch(step, global_batch_size)
+        per_rank = global_batch_size // world_size
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        return inputs[rows], targets[rows]
+
+
+class SyntheticTokens(GlobalBatches):
     """Arithmetic token sequences, x[t] = (start + t * stride) mod vocab, with a random start and stride per row.
 
     A model has to read the context to predict the next token, so the loss falls well below ln(vocab) as it
@@ -53,11 +66,6 @@ class SyntheticTokens:
         tokens = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab_size
         return tokens[:, :-1], tokens[:, 1:]
 
-    def local_batch(self, step: int, global_batch_size: int, rank: int, world_size: int):
-        inputs, targets = self.global_batch(step, global_batch_size)
-        per_rank = global_batch_size // world_size
-        rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        return inputs[rows], targets[rows]
 
 
 def numpy_token_batch(vocab_size: int, seq_len: int, seed: int, step: int, batch_size: int, max_stride: int = 7):
@@ -156,7 +164,7 @@ def check_data_option(data: str, vocab_size: int, seq_len: int) -> None:
                           f"--seq-len {seq_len} + 1: use a larger corpus or a smaller --seq-len")
 
 
-class TokenFileData:
+class TokenFileData(GlobalBatches):
     """Batches from a token file (see the module docstring); the same interface as SyntheticTokens, plus
     ``numpy_global_batch`` for the TensorFlow recipes."""
 
@@ -199,11 +207,6 @@ class TokenFileData:
         inputs, targets = self.numpy_global_batch(step, batch_size)
         return torch.from_numpy(inputs), torch.from_numpy(targets)
 
-    def local_batch(self, step: int, global_batch_size: int, rank: int, world_size: int):
-        inputs, targets = self.global_batch(step, global_batch_size)
-        per_rank = global_batch_size // world_size
-        rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        return inputs[rows], targets[rows]
 
 
 def training_data(args) -> SyntheticTokens | TokenFileData:
