@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import warnings
@@ -29,7 +30,7 @@ LOSS_RTOL = 1e-5
 SGD = ["--optimizer", "sgd", "--lr", "1.0", "--checkpoint-every", "0", "--no-resume"]
 
 
-def prepare(out: Path, *inputs: Path | str, **kwargs) -> "subprocess.CompletedProcess":  # noqa: F821
+def prepare(out: Path, *inputs: Path | str, **kwargs) -> subprocess.CompletedProcess:
     return run([sys.executable, str(PREPARE), "--out", str(out), "--workers", "2", *map(str, inputs)],
                env=recipe_env(), timeout=300, **kwargs)
 

@@ -154,11 +154,12 @@ def check_data_option(data: str, vocab_size: int, seq_len: int) -> None:
     and whose training split holds at least one sample of --seq-len + 1 tokens."""
     if data == "synthetic":
         return
-    meta = read_token_file_meta(data)
+    token_file = TokenFileData(data, seq_len, seed=0)  # reads and checks the three files (read_token_file_meta)
+    meta = token_file.meta
     if meta["vocab_size"] > vocab_size:
         raise ConfigError(f"--data {data}: its tokenizer ({meta['tokenizer']}) has {meta['vocab_size']} token ids, more than "
                           f"--vocab-size {vocab_size}: use --vocab-size {meta['vocab_size']} or more")
-    train_tokens = TokenFileData(data, seq_len, seed=0).tokens.size
+    train_tokens = token_file.tokens.size
     if train_tokens < seq_len + 1:
         raise ConfigError(f"--data {data}: the training split has {train_tokens} tokens, fewer than one sample of "
                           f"--seq-len {seq_len} + 1: use a larger corpus or a smaller --seq-len")
@@ -206,7 +207,6 @@ class TokenFileData(GlobalBatches):
 
         inputs, targets = self.numpy_global_batch(step, batch_size)
         return torch.from_numpy(inputs), torch.from_numpy(targets)
-
 
 
 def training_data(args) -> SyntheticTokens | TokenFileData:
