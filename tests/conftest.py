@@ -86,6 +86,16 @@ def losses(metrics: dict) -> list[float]:
     return [record["loss"] for record in metrics["history"]]
 
 
+# --eval-every 2 --eval-batches 2: the validation loss after every second step (and the last), averaged over
+# the data-parallel ranks; parity tests compare it with one process's as they compare the training loss.
+EVAL = ["--eval-every", "2", "--eval-batches", "2"]
+
+
+def eval_losses(metrics: dict) -> list[float]:
+    """The validation losses of a run (--eval-every), in step order."""
+    return [record["eval_loss"] for record in metrics["history"] if "eval_loss" in record]
+
+
 def max_relative_difference(a: list[float], b: list[float]) -> float:
     """Largest per-step relative difference of two loss curves of the same length; infinite where either
     is not a finite number (max() skips a NaN it meets after the first element: a curve that went NaN

@@ -17,12 +17,12 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, assert_ok, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
+from conftest import EVAL, REPO, TINY, assert_ok, eval_losses, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
 
 RECIPE = REPO / "recipes" / "accelerate" / "train.py"
 MULTI_GPU_CONFIG = REPO / "recipes" / "accelerate" / "multi_gpu.yaml"
 STEPS = [*TINY, "--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
-SGD = [*STEPS, "--optimizer", "sgd", "--lr", "1.0"]
+SGD = [*STEPS, "--optimizer", "sgd", "--lr", "1.0", *EVAL]
 ADAMW = [*STEPS, "--lr", "0.01"]  # the resume tests: Adam's moments are what a resume must restore
 LOSS_RTOL = 1e-5
 
@@ -69,6 +69,8 @@ def test_two_processes_match_one(reference, two_processes):
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4, 5, 6]
     assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
+    # the validation loss after steps 2, 4 and 6, through the prepared model, averaged over the ranks
+    assert len(eval_losses(metrics)) == 3 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
 
 
 @pytest.mark.parametrize("defect", [None, "resume-fresh-optimizer"])

@@ -45,6 +45,9 @@ def assert_one_line_error(result, *fragments: str) -> None:
         (2, ["--timeout-s", "inf"], ["--timeout-s must be a positive finite number, got inf"]),
         (2, ["--peak-tflops", "0"], ["--peak-tflops must be a positive finite number, got 0.0"]),
         (2, ["--global-batch", "0"], ["--global-batch must be at least 1, got 0"]),
+        (2, ["--eval-every", "-1"], ["--eval-every must be 0 (no evaluation) or more, got -1"]),
+        (2, ["--eval-batches", "0"], ["--eval-batches must be at least 1, got 0"]),
+        (2, ["--data-workers", "-2"], ["--data-workers must be 0 (read in the training process) or more, or -1 (auto)"]),
     ],
 )
 def test_recipe_rejects_bad_layout_before_starting(tmp_path, world_size, args, fragments):

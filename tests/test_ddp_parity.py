@@ -3,7 +3,8 @@
 Reference: 1 plain process (no process group, no DDP wrapper) on the global batch of 8.
 Parallel: 2 gloo ranks under torchrun, each on 4 rows of the same global batch.
 Tolerance: relative difference of the per-step loss <= 1e-5 (float32 reductions in another order), over
-6 steps; parameters bitwise identical across ranks (checked inside the run) and within 1e-5 of the reference.
+6 steps, and of the validation loss after steps 2, 4 and 6 (--eval-every: each rank evaluates its rows of
+the validation batches, averaged over the ranks); parameters bitwise identical across ranks (checked inside the run) and within 1e-5 of the reference.
 Optimizer: plain SGD (lr 1.0), which a gradient of the wrong scale cannot pass (Adam, nearly invariant to a
 uniform scale of the gradients, would hide a sum-instead-of-mean all-reduce); and AdamW, the default.
 Negative controls, each caught by the same comparison with a margin of at least 100x the tolerance: the
@@ -16,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_ok, losses, max_relative_difference, read_metrics, run_single, run_torchrun
+from conftest import EVAL, assert_ok, eval_losses, losses, max_relative_difference, read_metrics, run_single, run_torchrun
 
-STEPS = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "0", "--no-resume"]
+STEPS = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "0", "--no-resume", *EVAL]
 OPTIMIZERS = {"sgd": ["--optimizer", "sgd", "--lr", "1.0"], "adamw": ["--optimizer", "adamw"]}
 LOSS_RTOL = 1e-5
 
@@ -56,6 +57,9 @@ def test_two_ranks_match_one_process(references, tmp_path, optimizer):
 
     assert len(losses(metrics)) == 6
     assert max_relative_difference(losses(metrics), losses(ref)) <= LOSS_RTOL
+    # The validation loss after steps 2, 4 and 6: each rank its rows, averaged, as one process on all of them.
+    assert len(eval_losses(metrics)) == 3 and max_relative_difference(eval_losses(metrics), eval_losses(ref)) <= LOSS_RTOL
+    assert metrics["summary"]["final_eval_loss"] == eval_losses(metrics)[-1]
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
 
     ours, theirs = final_params(tmp_path), final_params(ref_dir)
@@ -70,6 +74,7 @@ def test_negative_controls_are_caught(references, tmp_path, control):
     result = run_torchrun(tmp_path, 2, *STEPS, *OPTIMIZERS["sgd"], control)
     metrics = read_metrics(tmp_path)
     assert max_relative_difference(losses(metrics), losses(ref)) > 100 * LOSS_RTOL
+    assert max_relative_difference(eval_losses(metrics), eval_losses(ref)) > 100 * LOSS_RTOL  # the wrong model evaluated
     if control == "--skip-grad-allreduce":  # the ranks' models drift apart: the run itself fails
         assert result.returncode != 0 and "parameters differ across ranks" in result.stderr
         assert metrics["param_max_abs_diff_across_ranks"] > 0.0

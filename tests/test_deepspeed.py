@@ -18,11 +18,11 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, assert_ok, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
+from conftest import EVAL, REPO, TINY, assert_ok, eval_losses, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
 
 RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 STEPS = [*TINY, "--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
-SGD = [*STEPS, "--optimizer", "sgd", "--lr", "1.0"]
+SGD = [*STEPS, "--optimizer", "sgd", "--lr", "1.0", *EVAL]
 ADAMW = [*STEPS, "--lr", "0.01"]  # the resume tests: Adam's moments are what a resume must restore
 LOSS_RTOL = 1e-5
 
@@ -72,6 +72,8 @@ def check_parallel_run(metrics: dict, reference: dict, stage: int, grad_accum: i
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4, 5, 6]
     assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
+    # the validation loss after steps 2, 4 and 6 (ZeRO-3: the shards gathered in forward), averaged over DP
+    assert len(eval_losses(metrics)) == 3 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
 
 
 def test_zero2_matches_one_process(reference, zero2_two_ranks):

@@ -18,11 +18,11 @@ import sys
 
 import pytest
 
-from conftest import REPO, assert_ok, assert_preflight_refuses, losses, max_relative_difference, read_metrics, recipe_env, run, run_recipe
+from conftest import EVAL, REPO, assert_ok, assert_preflight_refuses, eval_losses, losses, max_relative_difference, read_metrics, recipe_env, run, run_recipe
 
 RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 MODEL = ["--seq-len", "32", "--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--global-batch", "8"]
-SGD = [*MODEL, "--optimizer", "sgd", "--lr", "1.0", "--max-steps", "4", "--checkpoint-every", "0", "--no-resume"]
+SGD = [*MODEL, "--optimizer", "sgd", "--lr", "1.0", "--max-steps", "4", "--checkpoint-every", "0", "--no-resume", *EVAL]
 RTOL = 1e-5
 
 
@@ -36,7 +36,8 @@ def reference(tmp_path_factory):
     assert_ok(train(out, 1, *SGD, "--zero-stage", "0"))
     metrics = read_metrics(out)
     assert metrics["layout"] == {"pp": 1, "dp": 1} and metrics["model_wrapper"] == "DeepSpeedEngine"
-    return losses(metrics)
+    assert len(eval_losses(metrics)) == 2
+    return losses(metrics), eval_losses(metrics)
 
 
 @pytest.mark.parametrize("ranks, options, stage", [
@@ -54,7 +55,9 @@ def test_pipeline_layout_matches_one_process(ranks, options, stage, reference, t
     assert metrics["ds_config"]["gradient_accumulation_steps"] == 2  # the micro-batches of each step
     assert f"PP=2 DP={ranks // 2}" in result.stdout
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
-    assert max_relative_difference(losses(metrics), reference) <= RTOL
+    assert max_relative_difference(losses(metrics), reference[0]) <= RTOL
+    # the validation loss: the engine's forward-only schedule (eval_batch), its mean over micro-batches and DP
+    assert max_relative_difference(eval_losses(metrics), reference[1]) <= RTOL
 
 
 @pytest.mark.parametrize("ranks, options", [
@@ -64,7 +67,7 @@ def test_pipeline_layout_matches_one_process(ranks, options, stage, reference, t
 def test_negative_control_is_caught(ranks, options, reference, tmp_path):
     result = train(tmp_path, ranks, *SGD, *options)
     metrics = read_metrics(tmp_path)
-    assert max_relative_difference(losses(metrics), reference) > 100 * RTOL
+    assert max_relative_difference(losses(metrics), reference[0]) > 100 * RTOL
     if "--skip-grad-allreduce" in options:  # the replicas of a stage drift apart: the run says so
         assert result.returncode != 0 and "parameters differ across ranks" in result.stderr
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, assert_ok, assert_preflight_refuses, losses, max_relative_difference, read_metrics, run_recipe
+from conftest import EVAL, REPO, assert_ok, assert_preflight_refuses, eval_losses, losses, max_relative_difference, read_metrics, run_recipe
 
 RECIPE = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
 MODEL = ["--seq-len", "32", "--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--global-batch", "8"]
-SGD = [*MODEL, "--optimizer", "sgd", "--lr", "0.3", "--max-steps", "4", "--checkpoint-every", "0", "--no-resume"]
+SGD = [*MODEL, "--optimizer", "sgd", "--lr", "0.3", "--max-steps", "4", "--checkpoint-every", "0", "--no-resume", *EVAL]
 ADAMW = [*MODEL, "--optimizer", "adamw", "--lr", "3e-3", "--max-steps", "6", "--checkpoint-every", "0"]
 RTOL = 1e-5
 
@@ -78,6 +78,8 @@ def test_layout_matches_one_process(name, reference, tmp_path):
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     assert max_relative_difference(losses(metrics), losses(reference)) <= RTOL
     assert max_relative_difference(grad_norms(metrics), grad_norms(reference)) <= RTOL
+    # the validation loss (the pipeline: its schedule's forward-only eval), averaged over DP
+    assert len(eval_losses(metrics)) == 2 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= RTOL
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(reference, tmp_path):

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_ok, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
+from conftest import EVAL, REPO, assert_ok, eval_losses, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
 
 RECIPE = REPO / "recipes" / "megatron_tp_pp" / "train.py"
 SHIM_ALLOW_LIST = REPO / "tests" / "megatron_shim_sites.txt"
 STEPS = ["--seq-len", "32", "--max-steps", "4", "--checkpoint-every", "0", "--log-every", "1",
-         "--optimizer", "sgd", "--lr", "1.0", "--clip-grad", "0"]
+         "--optimizer", "sgd", "--lr", "1.0", "--clip-grad", "0", *EVAL]
 # megatron-core's distributed optimizer is Adam only: its runs compare the global gradient norm of every
 # step as well, which a gradient of the wrong scale cannot pass either.
 ADAM = [*STEPS, "--optimizer", "adamw", "--lr", "3e-3"]
@@ -92,9 +92,11 @@ def grad_norms(metrics: dict) -> list[float]:
 
 
 def difference(metrics: dict, reference: dict) -> float:
-    """The larger relative difference of the per-step loss and the per-step global gradient norm."""
+    """The largest relative difference of the per-step loss, the per-step global gradient norm and the
+    validation loss (forward only through the schedule, averaged over DP)."""
     return max(max_relative_difference(losses(metrics), losses(reference)),
-               max_relative_difference(grad_norms(metrics), grad_norms(reference)))
+               max_relative_difference(grad_norms(metrics), grad_norms(reference)),
+               max_relative_difference(eval_losses(metrics), eval_losses(reference)))
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +108,7 @@ def references(tmp_path_factory) -> dict:
         metrics = checked_metrics(out)
         assert metrics["world_size"] == 1 and metrics["layout"]["tp"] == metrics["layout"]["pp"] == 1
         assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4] and all(n > 0 for n in grad_norms(metrics))
+        assert len(eval_losses(metrics)) == 2
         runs[name] = metrics
     return runs
 

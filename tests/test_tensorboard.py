@@ -14,7 +14,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util.tensor_util import make_ndarray
 
-from conftest import REPO, assert_ok, free_port, losses, read_metrics, recipe_env, run, run_torchrun
+from conftest import EVAL, REPO, assert_ok, eval_losses, free_port, losses, read_metrics, recipe_env, run, run_torchrun
 
 STEPS = ["--global-batch", "8", "--max-steps", "5", "--checkpoint-every", "0", "--no-resume"]
 VENV_TF = REPO / ".venv-tf"
@@ -45,12 +45,16 @@ def assert_matches_metrics(directory: Path, metrics: dict, steps: list[int]) -> 
 
 
 def test_two_rank_run_writes_the_loss_of_every_step_from_rank_0_only(tmp_path):
-    assert_ok(run_torchrun(tmp_path, 2, *STEPS))
+    assert_ok(run_torchrun(tmp_path, 2, *STEPS, *EVAL))
     metrics = read_metrics(tmp_path)
     assert metrics["world_size"] == 2 and metrics["tensorboard_dir"] == str(tmp_path / "tensorboard")
     files = event_files(tmp_path / "tensorboard")
     assert len(files) == 1, f"one writer (rank 0) expected, found {files}"
     assert_matches_metrics(tmp_path / "tensorboard", metrics, [1, 2, 3, 4, 5])
+    # --eval-every 2: after steps 2 and 4 and the last, as eval/loss (the values of metrics.json)
+    evaluated = scalar_steps(tmp_path / "tensorboard", "eval/loss")
+    assert [step for step, _ in evaluated] == [2, 4, 5]
+    assert [value for _, value in evaluated] == pytest.approx(eval_losses(metrics), rel=1e-6)
 
 
 def test_a_resumed_run_appends_and_keeps_every_step_once(tmp_path):

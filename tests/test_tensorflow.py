@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
+from conftest import EVAL, REPO, eval_losses, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
 
 VENV_TF = REPO / ".venv-tf"
 TF_PYTHON = VENV_TF / "bin" / "python"
@@ -71,16 +71,22 @@ def ok(result) -> None:
 
 
 def horovod_reference(tmp_path: Path, recipe: Path, ranks: int, batch_per_rank: int, lr: float, steps: list[str]):
-    """One process on the whole global batch with the learning rate the ranks use (lr x ranks)."""
+    """One process on the whole global batch with the learning rate the ranks use (lr x ranks): its metrics."""
     result = single(recipe, tmp_path / "reference", *steps, "--batch-per-rank", str(batch_per_rank * ranks),
                     "--lr", str(lr * ranks))
     ok(result)
-    return losses(read_metrics(tmp_path / "reference"))
+    return read_metrics(tmp_path / "reference")
+
+
+def assert_same_training(metrics: dict, reference: dict) -> None:
+    """The per-step loss and the validation loss (--eval-every, averaged over the ranks) of one process's run."""
+    assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
+    assert len(eval_losses(metrics)) == 2 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
 
 
 # ---- Horovod + TensorFlow
 
-SGD_KERAS = [*STEPS, "--optimizer", "sgd"]
+SGD_KERAS = [*STEPS, "--optimizer", "sgd", *EVAL]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +106,7 @@ def test_horovod_two_ranks_train_what_one_process_trains(keras_reference, tmp_pa
     assert metrics["horovod_built"] == {"gloo": True, "mpi": True, "nccl": False}
     assert metrics["tensorflow_version"] == "2.21.0" and metrics["horovod_version"] == "0.28.1"
     assert [check["param_max_abs_diff_across_ranks"] for check in metrics["sync_checks"]] == [0.0] * 4
-    assert max_relative_difference(losses(metrics), keras_reference) <= LOSS_RTOL
+    assert_same_training(metrics, keras_reference)
 
 
 @pytest.mark.parametrize("launcher, control", [("horovodrun-gloo", "--skip-grad-allreduce"), ("mpiexec", "--skip-grad-allreduce"),
@@ -110,7 +116,7 @@ def test_horovod_negative_controls_are_caught(keras_reference, tmp_path, launche
     start = horovodrun if launcher == "horovodrun-gloo" else mpiexec
     result = start(HOROVOD_TF, tmp_path / "two", 2, *SGD_KERAS, "--batch-per-rank", "8", "--lr", str(KERAS_SGD_LR), control)
     metrics = read_metrics(tmp_path / "two")
-    assert max_relative_difference(losses(metrics), keras_reference) > 100 * LOSS_RTOL
+    assert max_relative_difference(losses(metrics), losses(keras_reference)) > 100 * LOSS_RTOL
     if control == "--skip-grad-allreduce":
         assert result.returncode != 0 and "weights differ across ranks" in result.stdout + result.stderr
         assert metrics["model_wrapper"] == "GradientTape" and metrics["param_max_abs_diff_across_ranks"] > 0
@@ -200,7 +206,7 @@ MIRRORED_SGD = [*SGD_KERAS, "--lr", str(2 * KERAS_SGD_LR)]
 def mirrored_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("mirrored-one")
     ok(single(MIRRORED, out, *MIRRORED_SGD, "--devices", "1"))
-    return losses(read_metrics(out))
+    return read_metrics(out)
 
 
 def test_mirrored_two_logical_devices_train_what_one_device_trains(mirrored_reference, tmp_path):
@@ -212,14 +218,14 @@ def test_mirrored_two_logical_devices_train_what_one_device_trains(mirrored_refe
     assert metrics["model_wrapper"] == "MirroredStrategy"
     assert metrics["backend"] == "MirroredStrategy/ReductionToOneDevice"
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
-    assert max_relative_difference(losses(metrics), mirrored_reference) <= LOSS_RTOL
+    assert_same_training(metrics, mirrored_reference)
 
 
 @pytest.mark.parametrize("control", ["--skip-grad-allreduce", "--test-break=grad-sum"])
 def test_mirrored_negative_controls_are_caught(mirrored_reference, tmp_path, control):
     result = single(MIRRORED, tmp_path / "two", *MIRRORED_SGD, "--devices", "2", control)
     metrics = read_metrics(tmp_path / "two")
-    assert max_relative_difference(losses(metrics), mirrored_reference) > 100 * LOSS_RTOL
+    assert max_relative_difference(losses(metrics), losses(mirrored_reference)) > 100 * LOSS_RTOL
     if control == "--skip-grad-allreduce":
         assert result.returncode == 3 and "the replicas' weights differ" in result.stderr
         assert metrics["param_max_abs_diff_across_ranks"] > 0
@@ -245,21 +251,21 @@ def test_mirrored_resume_continues_the_same_curve(tmp_path, defect):
 # ---- Horovod + PyTorch (horovod.torch)
 
 def test_horovod_torch_two_ranks_train_what_one_process_trains(tmp_path):
-    sgd = [*TORCH_STEPS, "--optimizer", "sgd"]
+    sgd = [*TORCH_STEPS, "--optimizer", "sgd", *EVAL]
     reference = horovod_reference(tmp_path, HOROVOD_TORCH, 2, 8, GPT_SGD_LR, sgd)
     two = [*sgd, "--batch-per-rank", "8", "--lr", str(GPT_SGD_LR)]
     ok(horovodrun(HOROVOD_TORCH, tmp_path / "two", 2, *two))
     metrics = read_metrics(tmp_path / "two")
     assert metrics["world_size"] == 2 and metrics["backend"] == "horovod-gloo"
     assert metrics["model_wrapper"] == "DistributedOptimizer" and metrics["param_max_abs_diff_across_ranks"] == 0.0
-    assert max_relative_difference(losses(metrics), reference) <= LOSS_RTOL
+    assert_same_training(metrics, reference)
 
     # The negative controls: no averaging (the ranks drift apart, the run fails), and a sum instead of the mean.
     result = horovodrun(HOROVOD_TORCH, tmp_path / "wrong", 2, *two, "--skip-grad-allreduce")
     assert result.returncode != 0 and "parameters differ across ranks" in result.stdout + result.stderr
-    assert max_relative_difference(losses(read_metrics(tmp_path / "wrong")), reference) > 100 * LOSS_RTOL
+    assert max_relative_difference(losses(read_metrics(tmp_path / "wrong")), losses(reference)) > 100 * LOSS_RTOL
     ok(horovodrun(HOROVOD_TORCH, tmp_path / "summed", 2, *two, "--test-break", "grad-sum"))
-    assert max_relative_difference(losses(read_metrics(tmp_path / "summed")), reference) > 100 * LOSS_RTOL
+    assert max_relative_difference(losses(read_metrics(tmp_path / "summed")), losses(reference)) > 100 * LOSS_RTOL
 
 
 # ---- srun without MPI: the rendezvous layout recipes/horovod/horovod_launch.py gives every rank

@@ -77,16 +77,24 @@ def token_file(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("recipe", RUNS)
-def test_one_process_trains_checkpoints_and_resumes_without_a_warning(recipe, token_file, tmp_path):
-    """On a token file (--data): so every recipe is also shown to train on real data, and to say so in its
-    metrics (the two-rank runs below, and every other test, use the synthetic task)."""
-    assert warnings_in(start(recipe, 1, tmp_path, "--max-steps", "2", "--data", str(token_file))) == []
-    resumed = start(recipe, 1, tmp_path, "--max-steps", "3", "--data", str(token_file))
+def test_one_process_trains_evaluates_checkpoints_and_resumes_without_a_warning(recipe, token_file, tmp_path):
+    """On a token file (--data), evaluated on its validation split after every step (--eval-every 1): every
+    recipe trains on real text, says so in its metrics, and its eval loss falls below its first value; the
+    evaluations before the resume are kept in the resumed run's history. (The two-rank runs below, and the
+    parity tests, use the synthetic task.)"""
+    real_data = ["--data", str(token_file), "--eval-every", "1", "--eval-batches", "2"]
+    first = start(recipe, 1, tmp_path, "--max-steps", "2", *real_data)
+    assert warnings_in(first) == []
+    resumed = start(recipe, 1, tmp_path, "--max-steps", "4", *real_data)
     assert "resumed from" in resumed.stdout, resumed.stdout
     assert warnings_in(resumed) == []
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["config"]["data"] == str(token_file) and len(metrics["history"]) == 3
+    assert metrics["config"]["data"] == str(token_file) and len(metrics["history"]) == 4
     assert all(math.isfinite(record["loss"]) for record in metrics["history"])
+    evaluated = [record.get("eval_loss") for record in metrics["history"]]
+    assert all(loss is not None and math.isfinite(loss) for loss in evaluated), evaluated
+    assert evaluated[-1] < evaluated[0] and metrics["summary"]["final_eval_loss"] == evaluated[-1], evaluated
+    assert f"eval loss {evaluated[-1]:.4f}" in resumed.stdout and f"eval loss {evaluated[0]:.4f}" in first.stdout
 
 
 @pytest.mark.parametrize("recipe", RUNS)

@@ -185,13 +185,28 @@ def main(argv: list[str] | None = None) -> int:
             barrier=accelerator.wait_for_everyone)
         metrics.write()
 
+    # ---- evaluation (--eval-every): the validation loss, each rank its rows, averaged over the ranks; through
+    # the prepared model (its autocast; FSDP gathers the shards in forward)
+    validation = harness.validation_data(args)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        model.eval()
+        total = torch.zeros((), device=device)
+        for batch in range(args.eval_batches):
+            inputs, targets = validation.local_batch(batch, args.global_batch, accelerator.process_index, world_size)
+            total += model(inputs.to(device), targets.to(device)).float()
+        model.train()
+        return harness.mean_across_ranks(total / args.eval_batches, world_size)
+
     # ---- training loop: one optimizer step = --grad-accum micro-batches on every rank
     data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(world_size, device))
     model.train()
     micro_rows = args.global_batch // (world_size * args.grad_accum)
-    for step in run.steps():
-        inputs, targets = data.local_batch(step, args.global_batch, accelerator.process_index, world_size)
+    batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
+                                   accelerator.process_index, world_size, device)  # (--data-workers: read ahead)
+    for step, (inputs, targets) in zip(run.steps(), batches):
         step_loss = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
             rows = slice(micro * micro_rows, (micro + 1) * micro_rows)
@@ -208,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             step_loss += loss.detach() / args.grad_accum
         global_loss = harness.mean_across_ranks(step_loss, world_size)  # also synchronises the step for timing
         metrics.log_step(step, global_loss, args.global_batch, run.step_time(), args.lr)
+        if run.eval_due(step):
+            metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
             break
     run.save_last(save)

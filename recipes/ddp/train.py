@@ -24,6 +24,10 @@ which requeues the job. Options can come from a TOML file:
 
     python recipes/ddp/train.py --config run.toml --max-steps 100   # the command line wins
     python recipes/ddp/train.py --preflight 8                       # only check the options for 8 ranks
+
+On real text (recipes/data/prepare.py writes the token file), evaluated on its validation split:
+
+    make data && torchrun --standalone --nproc_per_node=2 recipes/ddp/train.py --data data/stdlib/tokens --eval-every 10
 """
 
 from __future__ import annotations
@@ -128,13 +132,27 @@ def main(argv: list[str] | None = None) -> int:
                 "rng": harness.rng_state(), "history": metrics.history, **must_match})
             metrics.write()
 
+    # ---- evaluation: the loss on the validation data (--eval-every), each rank its rows, averaged over ranks
+    validation = harness.validation_data(args)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        model.eval()
+        total = torch.zeros((), device=device)
+        for batch in range(args.eval_batches):
+            inputs, targets = validation.local_batch(batch, args.global_batch, env.rank, env.world_size)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                total += raw_model(inputs.to(device), targets.to(device)).float()
+        model.train()
+        return harness.mean_across_ranks(total / args.eval_batches, env.world_size)
+
     # ---- training loop
     data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
-    for step in run.steps():
-        position = step - start_step if args.test_break == "resume-data-from-start" else step  # the data's step
-        inputs, targets = data.local_batch(position, args.global_batch, env.rank, env.world_size)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    first = 1 if args.test_break == "resume-data-from-start" else start_step + 1  # the data's step
+    batches = harness.step_batches(data, args, range(first, first + args.max_steps - start_step), args.global_batch,
+                                   env.rank, env.world_size, device)  # (--data-workers: read ahead)
+    for step, (inputs, targets) in zip(run.steps(), batches):
         skip_sync = model.no_sync() if args.skip_grad_allreduce else contextlib.nullcontext()
         with skip_sync, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = model(inputs, targets)
@@ -144,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         global_loss = harness.mean_across_ranks(loss, env.world_size)  # also synchronises the step for timing
         metrics.log_step(step, global_loss, args.global_batch, run.step_time(), args.lr)
+        if run.eval_due(step):
+            metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):  # checkpoints when due; True: --stop-at-step, SIGUSR1 or SIGTERM
             break
     run.save_last(save)

@@ -299,16 +299,38 @@ def main(argv: list[str] | None = None) -> int:
             writes_state=is_rank0, is_rank0=is_rank0, barrier=dist.barrier)
         metrics.write()
 
+    # ---- evaluation (--eval-every): the validation loss, averaged over DP (the pipeline: the engine's
+    # forward-only schedule over the same micro-batches, its mean over them and DP, on every stage)
+    validation = harness.validation_data(args)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        total = torch.zeros((), device=device)
+        for batch in range(args.eval_batches):
+            inputs, targets = validation.local_batch(batch, global_batch, dp_rank, dp)
+            micro = [(inputs[i:i + micro_rows].to(device), targets[i:i + micro_rows].to(device))
+                     for i in range(0, len(inputs), micro_rows)]
+            if pp > 1:
+                total += engine.eval_batch(data_iter=iter(micro)).float().reshape(())  # (a 1-element tensor)
+            else:
+                engine.eval()
+                total += sum(engine(*rows).float() for rows in micro) / len(micro)
+        engine.train()
+        return float(total) / args.eval_batches if pp > 1 else harness.mean_across_ranks(total / args.eval_batches, dp)
+
     # ---- training loop: one optimizer step = --grad-accum micro-batches on every rank
     data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
-    for step in run.steps():
-        inputs, targets = data.local_batch(step, global_batch, dp_rank, dp)
+    batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), global_batch, dp_rank, dp,
+                                   device)  # (--data-workers: read ahead)
+    for step, (inputs, targets) in zip(run.steps(), batches):
         if pp > 1:  # the engine runs the micro-batches through the stages (its 1F1B schedule), then steps
             micro = [(inputs[i:i + micro_rows].to(device), targets[i:i + micro_rows].to(device))
                      for i in range(0, len(inputs), micro_rows)]
             loss = float(engine.train_batch(data_iter=iter(micro)))  # mean over micro-batches and DP, every stage
             metrics.log_step(step, loss, global_batch, run.step_time(), engine.get_lr()[0])
+            if run.eval_due(step):
+                metrics.log_eval(step, evaluate(), args.eval_batches)
             if run.step_done(step, save):
                 break
             continue
@@ -326,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             step_loss += loss.detach().float() / accum
         global_loss = harness.mean_across_ranks(step_loss, env.world_size)  # also synchronises the step for timing
         metrics.log_step(step, global_loss, global_batch, run.step_time(), engine.get_lr()[0])
+        if run.eval_due(step):
+            metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
             break
     run.save_last(save)

@@ -220,13 +220,37 @@ def main(argv: list[str] | None = None) -> int:
             is_rank0=env.rank == 0, barrier=dist.barrier if env.world_size > 1 else lambda: None)
         metrics.write()
 
+    # ---- evaluation (--eval-every): the validation loss, each DP rank its rows (the pipeline: forward only,
+    # the schedule's eval), averaged as the training loss is
+    validation = harness.validation_data(args)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        for stage in stages:
+            stage.eval()
+        total = torch.zeros((), device=device)
+        for batch in range(args.eval_batches):
+            inputs, targets = (t.to(device) for t in validation.local_batch(batch, args.global_batch, dp_rank, layout.dp))
+            with autocast:
+                if schedule is None:
+                    total += cross_entropy(stages[0](inputs), targets).float()
+                else:
+                    losses = []
+                    schedule.eval(*([inputs] if has_first else []), target=targets if has_last else None,
+                                  losses=losses if has_last else None)
+                    total += torch.stack(losses).float().mean() if has_last else 0.0
+        for stage in stages:
+            stage.train()
+        return harness.mean_across_ranks(total / args.eval_batches, env.world_size) * layout.pp
+
     # ---- training loop: every DP rank its rows of the step's batch; TP and PP ranks of a replica the same
     data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     for stage in stages:
         stage.train()
-    for step in run.steps():
-        inputs, targets = (t.to(device) for t in data.local_batch(step, args.global_batch, dp_rank, layout.dp))
+    batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch, dp_rank,
+                                   layout.dp, device)  # (--data-workers: read ahead)
+    for step, (inputs, targets) in zip(run.steps(), batches):
         with autocast:
             if schedule is None:
                 loss = cross_entropy(stages[0](inputs), targets)
@@ -243,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         # The loss lives on the last stage, the same on each of its TP ranks: its mean over DP ranks
         global_loss = harness.mean_across_ranks(loss.detach().float(), env.world_size) * layout.pp
         metrics.log_step(step, global_loss, args.global_batch, run.step_time(), args.lr, grad_norm=norm)
+        if run.eval_due(step):
+            metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
             break
     run.save_last(save)

@@ -4,7 +4,8 @@
                 (validate_run, require_*), main_entry (bad input: one line, exit 2)
     launch      rank layout (torchrun or srun), the expected world size, the PyTorch process group, the
                 collectives of the logs and the end-of-run proof, a failed collective as one line (exit 4)
-    data        synthetic token batches: step s is the same global batch at any world size
+    data        --data: synthetic tokens or a token file; step s is the same global batch at any world size;
+                step_batches (read ahead by --data-workers); the validation batches --eval-every evaluates
     metrics     rank 0's step lines, metrics.json, TensorBoard events, FLOPs per token and peak (MFU)
     checkpoint  atomic checkpoint files and directories; which checkpoint a rerun resumes
     signals     SIGUSR1/SIGTERM: stop after the step, checkpoint, leave the stop marker
@@ -27,7 +28,8 @@ from .cli import (
     parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible,
     require_positive, stderr_line, tensorboard_dir, validate_run,
 )
-from .data import numpy_batches, numpy_token_batch, SyntheticTokens, TokenFileData, training_data
+from .data import (numpy_batches, numpy_token_batch, step_batches, SyntheticTokens, tf_step_batches, TokenFileData,
+                   training_data, validation_data)
 from .launch import (
     all_hostnames, check_expected_world_size, default_master_port, detect_dist_env, DistEnv, expand_hostlist,
     EXPECTED_WORLD_SIZE_ENV, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
@@ -49,6 +51,7 @@ __all__ = [
     "ranks_per_node", "require_at_least_one", "require_divisible", "require_positive", "restore_rng_state",
     "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
     "save_sharded_checkpoint", "setup_torch_distributed", "staging_checkpoint_dir", "start_metrics",
-    "stderr_line", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir", "TokenFileData",
-    "torch_optimizer", "training_data", "TRAINER_STATE", "TrainingRun", "transformer_flops_per_token", "validate_run",
+    "stderr_line", "step_batches", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir",
+    "tf_step_batches", "TokenFileData", "torch_optimizer", "training_data", "TRAINER_STATE", "TrainingRun",
+    "transformer_flops_per_token", "validate_run", "validation_data",
 ]

@@ -108,6 +108,13 @@ def add_data_options(p: argparse.ArgumentParser) -> None:
                         "writes them (megatron's indexed-dataset format; e.g. make data: data/stdlib/tokens)")
     g.add_argument("--seq-len", type=int, default=64)
     g.add_argument("--vocab-size", type=int, default=256)
+    g.add_argument("--data-workers", type=int, default=-1, metavar="N",
+                   help="processes that read batches ahead (PyTorch recipes; default -1: 2 on a GPU, 0 on a CPU)")
+    g.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="evaluate on the validation data every N steps and after the last one (0: never); the loss "
+                        "is averaged over the data-parallel ranks, logged, and kept in metrics.json")
+    g.add_argument("--eval-batches", type=int, default=4, metavar="K",
+                   help="global batches per evaluation: the validation data's first K, the same every time")
 
 
 def add_gpt_options(p: argparse.ArgumentParser) -> None:
@@ -129,8 +136,13 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
     args = parse_args_with_config(p, argv)
     from .data import check_data_option  # (data.py imports ConfigError from here)
 
-    require_at_least_one(args, "seq_len", "vocab_size")
-    check_data_option(args.data, args.vocab_size, args.seq_len)  # on every rank and in the preflight: before any rank
+    require_at_least_one(args, "seq_len", "vocab_size", "eval_batches")
+    if args.eval_every < 0:
+        raise ConfigError(f"--eval-every must be 0 (no evaluation) or more, got {args.eval_every}")
+    if args.data_workers < -1:
+        raise ConfigError(f"--data-workers must be 0 (read in the training process) or more, or -1 (auto), got {args.data_workers}")
+    # on every rank and in the preflight: before any rank starts
+    check_data_option(args.data, args.vocab_size, args.seq_len, evaluates=args.eval_every > 0)
     return args
 
 

@@ -10,6 +10,15 @@ Two sources, chosen with ``--data``:
   train/validation split by document), written by recipes/data/prepare.py. ``TokenFileData`` reads it
   through ``np.memmap`` (no copy into memory): sample k of an epoch is the window of seq_len + 1 tokens
   at k * seq_len of the split's token stream, the samples in a seeded random order per epoch.
+
+``step_batches`` hands a PyTorch recipe this rank's batch of each step in order; with ``--data-workers``
+(default: 2 on a GPU, none on a CPU) a DataLoader reads ahead in worker processes into pinned memory, so
+the next batch is ready, and on the GPU, when a step begins. ``tf_step_batches`` does the same for the
+TensorFlow recipes through tf.data.
+
+``validation_data`` (``numpy_batches(args, "validation")`` for TensorFlow) is what ``--eval-every`` evaluates: the
+token file's validation split, or synthetic rows drawn with another seed. Evaluation batch k is global
+batch k of it, the same --eval-batches batches at every evaluation, so a run's eval losses compare.
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron/core/datasets/indexed_dataset.py, 
 INDEX_DTYPE_CODES = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float64": 6, "float32": 7, "uint16": 8}
 INDEX_FIXED_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, sequence and document counts
 SPLITS = ("train", "validation")
+# The synthetic validation rows: another seed, whose batches no training step draws (a step would have to
+# pass 7919 * 1_000_003).
+VALIDATION_SEED_OFFSET = 7919
 
 
 class GlobalBatches:
@@ -122,6 +134,13 @@ def read_token_file_meta(prefix: str | Path) -> dict:
     sidecar, index, tokens = (Path(f"{prefix}{suffix}") for suffix in (".json", ".idx", ".bin"))
     for path in (sidecar, index, tokens):
         if not path.is_file():
+            from .metrics import container_runtime
+
+            runtime = container_runtime()
+            if runtime != "none" and not path.exists():  # most often: there, but not mounted into the container
+                raise ConfigError(f"--data {prefix}: {path} does not exist in this {runtime} container: keep the data "
+                                  "on a file system the runtime mounts (Shifter: $SCRATCH, $HOME; podman and podman-hpc: "
+                                  f"CONTAINER_MOUNTS=\"{prefix.resolve().parent}\"), or {redo}")
             raise ConfigError(f"--data {prefix}: {path} {'is not a file' if path.exists() else 'does not exist'}; {redo}")
     try:
         meta = json.loads(sidecar.read_text())
@@ -149,9 +168,10 @@ def read_token_file_meta(prefix: str | Path) -> dict:
     return meta
 
 
-def check_data_option(data: str, vocab_size: int, seq_len: int) -> None:
+def check_data_option(data: str, vocab_size: int, seq_len: int, evaluates: bool = False) -> None:
     """--data: 'synthetic', or a prefix whose files are whole, whose token ids fit the model's --vocab-size
-    and whose training split holds at least one sample of --seq-len + 1 tokens."""
+    and whose training split (and validation split, when the run ``evaluates``) holds at least one sample of
+    --seq-len + 1 tokens."""
     if data == "synthetic":
         return
     token_file = TokenFileData(data, seq_len, seed=0)  # reads and checks the three files (read_token_file_meta)
@@ -163,6 +183,12 @@ def check_data_option(data: str, vocab_size: int, seq_len: int) -> None:
     if train_tokens < seq_len + 1:
         raise ConfigError(f"--data {data}: the training split has {train_tokens} tokens, fewer than one sample of "
                           f"--seq-len {seq_len} + 1: use a larger corpus or a smaller --seq-len")
+    if evaluates:
+        validation_tokens = TokenFileData(data, seq_len, seed=0, split="validation").tokens.size
+        if validation_tokens < seq_len + 1:
+            raise ConfigError(f"--data {data}: the validation split has {validation_tokens} tokens, fewer than one sample "
+                              f"of --seq-len {seq_len} + 1: prepare it with a larger --valid-fraction, use a smaller "
+                              "--seq-len, or leave out --eval-every")
 
 
 class TokenFileData(GlobalBatches):
@@ -178,9 +204,17 @@ class TokenFileData(GlobalBatches):
         starts = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))])
         # Documents are contiguous in PREFIX.bin: a split is one range of the token stream.
         self.tokens = np.memmap(f"{prefix}.bin", dtype=meta["dtype"], mode="r")[starts[first]:starts[last]]
+        self.first_document, self._document_starts = first, starts[first:last + 1] - starts[first]
         self.meta, self.seq_len, self.seed, self.split = meta, seq_len, seed, split
         self.samples_per_epoch = max((self.tokens.size - 1) // seq_len, 0)
         self._order: tuple[int, np.ndarray] | None = None
+
+    def document(self, index: int) -> np.ndarray:
+        """The tokens of document ``index`` (numbered as in PREFIX.idx) of this split, from the memmap."""
+        local = index - self.first_document
+        if not 0 <= local < len(self._document_starts) - 1:
+            raise IndexError(f"document {index} is not in the {self.split} split")
+        return self.tokens[self._document_starts[local]:self._document_starts[local + 1]]
 
     def order(self, epoch: int) -> np.ndarray:
         """The order of the samples in ``epoch`` (a permutation, seeded by the seed and the epoch)."""
@@ -210,15 +244,74 @@ class TokenFileData(GlobalBatches):
 
 
 def training_data(args) -> SyntheticTokens | TokenFileData:
-    """The PyTorch recipes' data: --data synthetic or a token file (checked by parse_recipe_args)."""
+    """The PyTorch recipes' training data: --data synthetic or a token file (checked by parse_recipe_args)."""
     if args.data == "synthetic":
         return SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     return TokenFileData(args.data, args.seq_len, args.seed)
 
 
-def numpy_batches(args):
-    """The TensorFlow recipes' data: a function (step, global batch size) -> (inputs, targets) int arrays."""
+class _StepRows:
+    """A map-style dataset over the steps of a run: item i is this rank's (inputs, targets) of steps[i]."""
+
+    def __init__(self, data: GlobalBatches, steps: range, global_batch: int, rank: int, world_size: int):
+        self.data, self.steps, self.global_batch, self.rank, self.world_size = data, steps, global_batch, rank, world_size
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, index: int):
+        return self.data.local_batch(self.steps[index], self.global_batch, self.rank, self.world_size)
+
+
+def data_workers(args, device) -> int:
+    """--data-workers: worker processes that read ahead (auto: 2 on a GPU, where the host must keep up with the
+    device, none on a CPU, whose cores train)."""
+    if args.data_workers >= 0:
+        return args.data_workers
+    return 2 if device.type == "cuda" else 0
+
+
+def step_batches(data: GlobalBatches, args, steps: range, global_batch: int, rank: int, world_size: int, device):
+    """This rank's (inputs, targets) of each step in ``steps``, in order, on ``device``. With worker processes
+    (data_workers) a DataLoader reads ahead, in order, into pinned memory on a GPU; the copy to the GPU does
+    not wait (non_blocking). The batches are those of data.local_batch: the same with or without workers."""
+    import torch
+
+    rows = _StepRows(data, steps, global_batch, rank, world_size)
+    workers = data_workers(args, device)
+    if workers == 0:
+        batches = (rows[index] for index in range(len(rows)))
+    else:
+        batches = torch.utils.data.DataLoader(rows, batch_size=None, shuffle=False, num_workers=workers,
+                                              pin_memory=device.type == "cuda", prefetch_factor=2)
+    for inputs, targets in batches:
+        yield inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+
+def validation_data(args) -> SyntheticTokens | TokenFileData:
+    """The PyTorch recipes' evaluation data: the token file's validation split, or synthetic rows of another seed."""
     if args.data == "synthetic":
-        return lambda step, batch_size: numpy_token_batch(args.vocab_size, args.seq_len, args.seed, step, batch_size)
-    data = TokenFileData(args.data, args.seq_len, args.seed)
+        return SyntheticTokens(args.vocab_size, args.seq_len, args.seed + VALIDATION_SEED_OFFSET)
+    return TokenFileData(args.data, args.seq_len, args.seed, split="validation")
+
+
+def tf_step_batches(args, steps: range, global_batch: int):
+    """The TensorFlow recipes' global batch of each step in ``steps``, in order, through tf.data: read from
+    numpy_batches (the token file's memmap, or the synthetic task) one step ahead of the training step."""
+    import tensorflow as tf
+
+    batches = numpy_batches(args)
+    spec = tf.TensorSpec((global_batch, args.seq_len), tf.int32)
+    dataset = tf.data.Dataset.from_generator(lambda: (batches(step, global_batch) for step in steps),
+                                             output_signature=(spec, spec))
+    return dataset.prefetch(1)
+
+
+def numpy_batches(args, split: str = "train"):
+    """The TensorFlow recipes' data: a function (step, global batch size) -> (inputs, targets) int32 arrays.
+    ``split`` "validation": the evaluation data (as validation_data)."""
+    if args.data == "synthetic":
+        seed = args.seed + (VALIDATION_SEED_OFFSET if split == "validation" else 0)
+        return lambda step, batch_size: numpy_token_batch(args.vocab_size, args.seq_len, seed, step, batch_size)
+    data = TokenFileData(args.data, args.seq_len, args.seed, split=split)
     return lambda step, batch_size: tuple(array.astype("int32") for array in data.numpy_global_batch(step, batch_size))

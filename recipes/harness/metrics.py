@@ -5,8 +5,10 @@
 - ``transformer_flops_per_token``, ``peak_flops``, ``gpu_peak_flops``: MFU's numerator and denominator.
 
 TensorBoard: PyTorch's SummaryWriter (the ``tensorboard`` package) for the PyTorch recipes, ``tf.summary``
-for the TensorFlow ones; only the logging rank writes. The events are flushed at every checkpoint and at
-the end, so a run that dies loses at most the steps since its last checkpoint, as its weights do.
+for the TensorFlow ones; only the logging rank writes. Evaluations (--eval-every) go into the record of
+the step they follow (``eval_loss``) and into TensorBoard as eval/loss. The events are flushed at every
+checkpoint and at the end, so a run that dies loses at most the steps since its last checkpoint, as its
+weights do.
 """
 
 from __future__ import annotations
@@ -164,13 +166,27 @@ class MetricsLogger:
                 flush=True,
             )
 
+    def log_eval(self, step: int, loss: float, batches: int) -> None:
+        """The validation loss after ``step`` (averaged over ``batches`` global batches and the data-parallel
+        ranks), kept in that step's record: a checkpoint's history holds it, a resume continues it."""
+        record = self.history[-1]
+        assert record["step"] == step, f"log_eval({step}) after the record of step {record['step']}"
+        record["eval_loss"] = loss
+        if not self.is_logging_rank:
+            return
+        if self.tensorboard_dir is not None and self._writer is not None:
+            self._writer.add_scalar("eval/loss", loss, step)
+        print(f"[{self.recipe}] eval {step:5d} | eval loss {loss:.4f} | {batches} batches of validation data", flush=True)
+
     def summary(self) -> dict:
         # The first step of a process includes warm-up (allocator, NCCL/gloo connections): leave it out.
         timed = self.history[1:] or self.history
         mean = lambda key: sum(r[key] for r in timed) / len(timed) if timed else float("nan")  # noqa: E731
+        evaluated = [r["eval_loss"] for r in self.history if "eval_loss" in r]
         return {
             "steps": len(self.history),
             "final_loss": self.history[-1]["loss"] if self.history else None,
+            "final_eval_loss": evaluated[-1] if evaluated else None,
             "mean_samples_per_s": mean("samples_per_s"),
             "mean_tokens_per_s": mean("tokens_per_s"),
             "mean_mfu": mean("mfu"),

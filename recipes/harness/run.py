@@ -1,9 +1,12 @@
 """The steps of a run: where it starts, when it checkpoints, when it stops, and how it ends.
 
     run = harness.TrainingRun(RECIPE, args, rank, start_step, agree=harness.max_across_ranks(world_size, device))
-    for step in run.steps():
+    batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), ...)  # this rank's rows
+    for step, (inputs, targets) in zip(run.steps(), batches):
         ...                                    # the recipe's own training step
         metrics.log_step(step, loss, global_batch, run.step_time(), lr)
+        if run.eval_due(step):                 # --eval-every: the validation loss, averaged over the DP ranks
+            metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):          # checkpoints when due; True: --stop-at-step or a stop signal
             break
     run.save_last(save)
@@ -47,6 +50,11 @@ class TrainingRun:
         """Seconds since the current step began (call it once the step's loss is known on every rank)."""
         return time.perf_counter() - self._step_started
 
+    def eval_due(self, step: int) -> bool:
+        """--eval-every N: after every N-th step and after the last one (the run's final eval loss)."""
+        every = self.args.eval_every
+        return every > 0 and (step % every == 0 or step == self.args.max_steps)
+
     def step_done(self, step: int, save: Callable[[int], None]) -> bool:
         """After ``step``: checkpoint if --checkpoint-every says so; True if the run stops here."""
         self.last_step = step
@@ -72,7 +80,8 @@ class TrainingRun:
         metrics.close()
         if metrics.is_logging_rank:
             s, peak = metrics.summary(), metrics.peak_flops_per_device
-            print(f"[{self.recipe}] done: step {self.last_step}/{self.args.max_steps}, final loss {s['final_loss']:.4f}, "
+            evaluated = f", eval loss {s['final_eval_loss']:.4f}" if s["final_eval_loss"] is not None else ""
+            print(f"[{self.recipe}] done: step {self.last_step}/{self.args.max_steps}, final loss {s['final_loss']:.4f}{evaluated}, "
                   f"{s['mean_samples_per_s']:.1f} samples/s, {s['mean_tokens_per_s']:.0f} tokens/s, "
                   f"MFU {100 * s['mean_mfu']:.2f}% (peak {peak / 1e12:.3f} TFLOP/s, {metrics.peak_source}); "
                   f"metrics in {metrics.path}", flush=True)

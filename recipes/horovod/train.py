@@ -151,6 +151,22 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return hvd.allreduce(loss, op=hvd.Average) if world_size > 1 else loss
 
+    global_batch = args.batch_per_rank * world_size
+
+    @tf.function
+    def eval_loss(inputs, targets):
+        return tf.reduce_mean(keras_model.loss_per_token(targets, model(inputs, training=False)))
+
+    validation_batches = harness.numpy_batches(args, split="validation")
+
+    def evaluate() -> float:
+        """The validation loss (--eval-every), each rank its rows, averaged over the ranks."""
+        rows = slice(rank * args.batch_per_rank, (rank + 1) * args.batch_per_rank)
+        total = sum(eval_loss(*(a[rows] for a in validation_batches(batch, global_batch)))
+                    for batch in range(args.eval_batches))
+        mean = tf.cast(total, tf.float32) / args.eval_batches
+        return float(hvd.allreduce(mean, op=hvd.Average)) if world_size > 1 else float(mean)
+
     def weight_spread() -> float:
         """Largest difference of any weight between two ranks (0.0: all ranks hold the same model)."""
         if world_size == 1:
@@ -171,13 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     # ---- training loop
     run = harness.TrainingRun(RECIPE, args, rank, start_step, agree)
     sync_checks = []
-    global_batch = args.batch_per_rank * world_size
-    batches = harness.numpy_batches(args)  # --data: synthetic or a token file
-    for step in run.steps():
-        inputs, targets = batches(step, global_batch)
+    # --data: synthetic or a token file, read one step ahead (tf.data)
+    batches = harness.tf_step_batches(args, range(start_step + 1, args.max_steps + 1), global_batch)
+    for step, (inputs, targets) in zip(run.steps(), batches):
         rows = slice(rank * args.batch_per_rank, (rank + 1) * args.batch_per_rank)
         loss = float(train_step(inputs[rows], targets[rows]))  # float(): waits for the step, for the timing
         metrics.log_step(step, loss, global_batch, run.step_time(), lr)
+        if run.eval_due(step):
+            metrics.log_eval(step, evaluate(), args.eval_batches)
         if args.check_sync_every and step % args.check_sync_every == 0:
             sync_checks.append({"step": step, "param_max_abs_diff_across_ranks": weight_spread()})
         if run.step_done(step, save):

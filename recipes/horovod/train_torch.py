@@ -118,16 +118,33 @@ def main(argv: list[str] | None = None) -> int:
     def agree(value: int) -> int:  # the largest over the ranks: every rank stops after the same step
         return int(hvd.allreduce(torch.tensor(value), op=hvd.Max)) if world_size > 1 else value
 
+    # ---- evaluation (--eval-every): the validation loss, each rank its rows, averaged over the ranks
+    validation = harness.validation_data(args)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        model.eval()
+        total = torch.zeros((), device=device)
+        for batch in range(args.eval_batches):
+            inputs, targets = validation.local_batch(batch, global_batch, rank, world_size)
+            total += model(inputs.to(device), targets.to(device))
+        model.train()
+        mean = total / args.eval_batches
+        return float(hvd.allreduce(mean, op=hvd.Average)) if world_size > 1 else float(mean)
+
     # ---- training loop
     run = harness.TrainingRun(RECIPE, args, rank, start_step, agree)
-    for step in run.steps():
-        inputs, targets = data.local_batch(step, global_batch, rank, world_size)
+    batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), global_batch, rank, world_size,
+                                   device)  # (--data-workers: read ahead)
+    for step, (inputs, targets) in zip(run.steps(), batches):
         optimizer.zero_grad()  # (Horovod's wrapper takes no set_to_none)
-        loss = model(inputs.to(device), targets.to(device))
+        loss = model(inputs, targets)
         loss.backward()  # DistributedOptimizer starts an all-reduce per gradient as it becomes ready
         optimizer.step()  # ...and waits for them here
         global_loss = float(hvd.allreduce(loss.detach(), op=hvd.Average)) if world_size > 1 else float(loss.detach())
         metrics.log_step(step, global_loss, global_batch, run.step_time(), lr)
+        if run.eval_due(step):
+            metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
             break
     run.save_last(save)

@@ -24,6 +24,11 @@ shape and the rank keeps its own TP/PP piece, so any layout is comparable with o
 are megatron distributed checkpoints in OUT_DIR/checkpoints/step_N; a rerun with the same --out-dir
 resumes; SIGUSR1/SIGTERM checkpoint and stop. Options that cannot form a valid layout are refused before
 any rank starts (--preflight WORLD_SIZE, which slurm/lib/launch.sh runs), each with one line.
+
+--data PREFIX (a token file of recipes/data/prepare.py, or Megatron-LM's preprocessing output with a
+sidecar) goes through megatron-core's GPTDataset, as in Megatron-LM (megatron_data.py):
+
+    torchrun --standalone --nproc_per_node=2 recipes/megatron_tp_pp/train.py --data data/stdlib/tokens --eval-every 10
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the harness
 import harness  # noqa: E402
 from layout import Layout, have_transformer_engine, model_settings, validate  # noqa: E402  (next to this file)
+import megatron_data  # noqa: E402  (next to this file)
 
 RECIPE = "megatron_tp_pp"
 
@@ -290,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         metrics.write()
 
     # ---- data: every DP rank takes its rows of the step's global batch, cut into micro-batches; all TP
-    # and PP ranks of a replica read the same rows (stage 0 uses the tokens, the last stage the labels)
-    data = harness.training_data(args)  # --data: synthetic or a token file
+    # and PP ranks of a replica read the same rows (stage 0 uses the tokens, the last stage the labels).
+    # --data PREFIX: megatron's GPTDataset (megatron_data.py); synthetic: the harness's task.
+    data, validation = megatron_data.data(args, args.out_dir / "megatron_data_cache")
     # megatron's own attention needs the causal mask spelled out (True = masked); Transformer Engine's
     # applies its causal mask type itself and takes none.
     causal_mask = None if use_te else torch.triu(
@@ -313,40 +320,60 @@ def main(argv: list[str] | None = None) -> int:
         return output, loss_func
 
     forward_backward = get_forward_backward_func()
-
-    # ---- training loop: one optimizer step = the schedule's forward/backward over all micro-batches
-    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
-    for chunk in model_chunks:
-        chunk.train()
     dp_group = parallel_state.get_data_parallel_group()
-    for step in run.steps():
-        inputs, targets = data.local_batch(step, args.global_batch, dp_rank, layout.dp)
+
+    def run_schedule(inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
+        """This DP rank's rows of a global batch in micro-batches through the schedule. The mean loss over the
+        micro-batches and the DP replicas on the last stage (a barrier elsewhere), 0 elsewhere."""
         micro = [(inputs[i:i + layout.micro_batch].to(device), targets[i:i + layout.micro_batch].to(device))
                  for i in range(0, len(inputs), layout.micro_batch)]
-        for chunk in model_chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
         losses = forward_backward(
             forward_step_func=forward_step,
             data_iterator=[iter(micro) for _ in model_chunks] if layout.vp else iter(micro),
             model=model_chunks if layout.vp else model_chunks[0],
             num_microbatches=layout.num_microbatches, seq_length=args.seq_len,
-            micro_batch_size=layout.micro_batch, forward_only=False,
+            micro_batch_size=layout.micro_batch, forward_only=forward_only,
         )
+        loss = torch.zeros((), device=device)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            loss = torch.stack([item["loss"] for item in losses]).mean()
+            dist.all_reduce(loss, group=dp_group)  # mean over DP replicas: the global batch's loss
+            loss /= layout.dp
+        else:
+            dist.barrier(group=dp_group)  # the same collective count on every rank keeps the timing honest
+        return loss
+
+    # ---- evaluation (--eval-every): the validation loss, forward only, averaged over DP (on the last stage)
+    @torch.no_grad()
+    def evaluate() -> float:
+        for chunk in model_chunks:
+            chunk.eval()
+        loss = sum(run_schedule(*validation.local_batch(batch, args.global_batch, dp_rank, layout.dp), forward_only=True)
+                   for batch in range(args.eval_batches))
+        for chunk in model_chunks:
+            chunk.train()
+        return float(loss) / args.eval_batches
+
+    # ---- training loop: one optimizer step = the schedule's forward/backward over all micro-batches
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
+    for chunk in model_chunks:
+        chunk.train()
+    batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch, dp_rank,
+                                   layout.dp, device)  # (--data-workers: read ahead)
+    for step, (inputs, targets) in zip(run.steps(), batches):
+        for chunk in model_chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        step_loss = run_schedule(inputs, targets, forward_only=False)
         update_successful, grad_norm, _ = optimizer.step()
         if not update_successful:
             raise RuntimeError(f"step {step}: the optimizer skipped the update (grad norm {grad_norm})")
         if not grad_norm:  # megatron computes the global norm only to clip: the norm of the gradients applied
             grad_norm = optimizer.get_grad_norm()
-        step_loss = torch.zeros((), device=device)
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            step_loss = torch.stack([item["loss"] for item in losses]).mean()
-            dist.all_reduce(step_loss, group=dp_group)  # mean over DP replicas: the global batch's loss
-            step_loss /= layout.dp
-        else:
-            dist.barrier(group=dp_group)  # the same collective count on every rank keeps the timing honest
         metrics.log_step(step, float(step_loss), args.global_batch, run.step_time(),
                          optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm))
+        if run.eval_due(step):
+            metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
             break
     run.save_last(save)

@@ -159,13 +159,27 @@ def main(argv: list[str] | None = None) -> int:
         losses = strategy.run(replica_step, args=(step_inputs, step_targets))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
-    batches = harness.numpy_batches(args)  # --data: synthetic or a token file
+    @tf.function
+    def eval_step(step_inputs, step_targets):
+        def replica_loss(inputs, targets):  # (as replica_step's loss: the replicas' sum is the mean)
+            per_row = tf.reduce_mean(keras_model.loss_per_token(targets, model(inputs, training=False)), axis=1)
+            return tf.nn.compute_average_loss(per_row, global_batch_size=args.global_batch)
 
-    def replica_rows(step: int):
-        inputs, targets = batches(step, args.global_batch)
+        losses = strategy.run(replica_loss, args=(step_inputs, step_targets))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    validation_batches = harness.numpy_batches(args, split="validation")
+
+    def replica_rows(inputs, targets):
+        """Each replica its rows of a global batch (copied to its device by tf.identity in its scope)."""
         rows = lambda ctx: slice(ctx.replica_id_in_sync_group * per_replica, (ctx.replica_id_in_sync_group + 1) * per_replica)  # noqa: E731
-        return (strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(inputs[rows(ctx)])),
-                strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(targets[rows(ctx)])))
+        return (strategy.experimental_distribute_values_from_function(lambda ctx: tf.identity(inputs[rows(ctx)])),
+                strategy.experimental_distribute_values_from_function(lambda ctx: tf.identity(targets[rows(ctx)])))
+
+    def evaluate() -> float:
+        """The validation loss (--eval-every), each replica its rows of each batch, summed as the training loss is."""
+        return sum(float(eval_step(*replica_rows(*validation_batches(batch, args.global_batch))))
+                   for batch in range(args.eval_batches)) / args.eval_batches
 
     def weight_spread() -> float:
         """Largest difference between the copies of any weight on different devices (0.0: in sync)."""
@@ -183,9 +197,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- training loop (one process: a signal needs no agreement between ranks)
     run = harness.TrainingRun(RECIPE, args, 0, start_step)
-    for step in run.steps():
-        loss = float(train_step(*replica_rows(step)))  # float(): waits for the step, for the timing
+    # --data: synthetic or a token file, read one step ahead (tf.data)
+    batches = harness.tf_step_batches(args, range(start_step + 1, args.max_steps + 1), args.global_batch)
+    for step, (inputs, targets) in zip(run.steps(), batches):
+        loss = float(train_step(*replica_rows(inputs, targets)))  # float(): waits for the step, for the timing
         metrics.log_step(step, loss, args.global_batch, run.step_time(), args.lr)
+        if run.eval_due(step):
+            metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
             break
     run.save_last(save)
