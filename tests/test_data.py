@@ -1,5 +1,6 @@
 """Real data: recipes/data/prepare.py writes megatron-core's indexed-dataset format from real text (the
-Python standard library's own sources), megatron-core reads the same tokens, every recipe trains on it
+Python standard library's own sources), megatron-core reads the same tokens (its IndexedDataset, and the
+GPTDataset the Megatron recipe trains on), every recipe trains on it
 with --data, two DDP ranks match one process on it, a resume continues mid-epoch on the same curve, and
 broken token files are refused with one line before any rank starts. (Every recipe trains on a token
 file in tests/test_warnings.py's one-process runs.)
@@ -22,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_ok, losses, max_relative_difference, read_metrics, recipe_env, run, run_single, run_torchrun
+from conftest import (REPO, assert_ok, eval_losses, free_port, losses, max_relative_difference, read_metrics, recipe_env, run,
+                      run_single, run_torchrun)
 
 PREPARE = REPO / "recipes" / "data" / "prepare.py"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -75,6 +77,41 @@ def test_prepare_writes_megatrons_format_and_megatron_reads_the_same_tokens(corp
     assert validation.tokens.size == stream.size - train_tokens.size
 
 
+def test_megatrons_gpt_dataset_draws_the_same_split_and_the_same_tokens_as_the_memmap_reader(corpus, tmp_path):
+    """The Megatron recipe's --data goes through megatron-core's GPTDataset (recipes/megatron_tp_pp/megatron_data.py):
+    its train and validation splits hold exactly the sidecar's documents, and every sample it draws is the
+    window of --seq-len + 1 tokens that the memmap reader (harness.data) gives for the documents and offsets
+    megatron's own index names."""
+    import argparse
+
+    sys.path[:0] = [str(REPO / "recipes"), str(REPO / "recipes" / "megatron_tp_pp")]
+    import megatron_data
+    from harness.data import TokenFileData
+
+    meta = json.loads(Path(f"{corpus}.json").read_text())
+    args = argparse.Namespace(data=str(corpus), seed=7, seq_len=64, max_steps=20, global_batch=8, eval_batches=3)
+    with warnings.catch_warnings():  # megatron-core's import-time notices (no TE/apex here)
+        warnings.simplefilter("ignore")
+        built = megatron_data.build(args, tmp_path / "cache")
+    for data, split in zip(built, ("train", "validation")):
+        dataset, ours = data.dataset, TokenFileData(corpus, seq_len=64, seed=7, split=split)
+        assert set(dataset.document_index.tolist()) == set(range(*meta["splits"][split])), split
+        samples = len(dataset)
+        assert samples >= (20 if split == "train" else 3) * 8
+        for index in range(0, samples, max(1, samples // 50)):
+            position = dataset.shuffle_index[index]
+            (first, offset), (last, _) = dataset.sample_index[position], dataset.sample_index[position + 1]
+            documents = dataset.document_index[first:last + 1]
+            text = np.concatenate([ours.document(int(d)) for d in documents])[offset:offset + 65]
+            sample = dataset[index]
+            assert np.array_equal(sample["tokens"].numpy(), text[:-1]) and np.array_equal(sample["labels"].numpy(), text[1:])
+        # step s is samples s * B onwards, rank r of 2 its half (the same global batch at any layout)
+        inputs, targets = data.local_batch(2, 8, rank=1, world_size=2)
+        assert np.array_equal(inputs[0].numpy(), dataset[20]["tokens"].numpy()) and inputs.shape == targets.shape == (4, 64)
+    assert list((tmp_path / "cache").glob("*GPTDataset-train-shuffle_index.npy"))  # megatron's index cache, not the data dir
+    assert not (corpus.parent / "cache").exists()
+
+
 def test_prepare_skips_unchanged_inputs_and_redoes_changed_ones(tmp_path):
     inputs = tmp_path / "inputs"
     shutil.copytree(STDLIB / "json", inputs)
@@ -90,6 +127,38 @@ def test_prepare_skips_unchanged_inputs_and_redoes_changed_ones(tmp_path):
     assert_ok(changed)
     assert "wrote" in changed.stdout and json.loads(Path(f"{prefix}.json").read_text())["tokens"] > 0
     assert not list(prefix.parent.glob("*.partial"))
+
+
+def test_prepare_trains_a_bpe_on_the_corpus_reuses_it_and_a_recipe_trains_on_it(tmp_path):
+    """--tokenizer bpe:N trains a byte-level BPE on the inputs (HuggingFace tokenizers, offline) and saves it
+    beside the data; the same tokenizer.json given back as --tokenizer FILE writes the same tokens; a recipe
+    refuses the file at the default --vocab-size, in one line, and trains on it at --vocab-size N."""
+    from tokenizers import Tokenizer
+
+    prefix = tmp_path / "bpe" / "tokens"
+    assert_ok(prepare(prefix, STDLIB / "json", "--tokenizer", "bpe:512"))
+    meta = json.loads(Path(f"{prefix}.json").read_text())
+    tokenizer_file = Path(f"{prefix}.tokenizer.json")
+    assert meta["vocab_size"] == 512 and meta["tokenizer_file"] == str(tokenizer_file) and "512 ids" in meta["tokenizer"]
+    source = (STDLIB / "json" / "__init__.py").read_text()  # the first input file: document 0
+    stream = np.fromfile(f"{prefix}.bin", dtype=np.uint16)
+    first = stream[:int(np.fromfile(f"{prefix}.idx", dtype=np.int32, count=1, offset=34)[0])]
+    assert Tokenizer.from_file(str(tokenizer_file)).decode(first.tolist()) == source
+    assert stream.max() < 512 and meta["tokens"] < 0.6 * sum(len(p.read_bytes()) for p in (STDLIB / "json").glob("*.py"))
+
+    again = tmp_path / "again" / "tokens"
+    assert_ok(prepare(again, STDLIB / "json", "--tokenizer", str(tokenizer_file)))
+    assert Path(f"{again}.bin").read_bytes() == Path(f"{prefix}.bin").read_bytes()
+
+    refused = run_single(tmp_path / "run", "--data", str(prefix), "--preflight", "2")
+    assert refused.returncode == 2 and "has 512 token ids, more than --vocab-size 256: use --vocab-size 512" in refused.stderr
+    assert_ok(run_single(tmp_path / "run", "--data", str(prefix), "--vocab-size", "512", "--max-steps", "3",
+                         "--eval-every", "3", "--eval-batches", "1"))
+    assert read_metrics(tmp_path / "run")["summary"]["final_eval_loss"] > 0
+
+    for spec, fragment in (("bpe:10", "bpe:N needs N between 257"), (str(tmp_path / "none.json"), "no such file")):
+        result = prepare(tmp_path / "bad" / "tokens", STDLIB / "json", "--tokenizer", spec)
+        assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_prepare_refuses_an_empty_corpus_and_bad_jsonl_and_writes_nothing(tmp_path):
@@ -131,6 +200,8 @@ def broken(corpus: Path, tmp_path: Path, how: str) -> Path:
     ("not-megatron-idx", [], "is not a megatron index (.idx) file"),
     ("whole", ["--vocab-size", "200"], "has 256 token ids, more than --vocab-size 200: use --vocab-size 256 or more"),
     ("whole", ["--seq-len", "100000000"], "fewer than one sample of --seq-len 100000000"),
+    # the validation split (2 short documents) holds no sample of 20000 tokens: only refused when evaluating
+    ("whole", ["--seq-len", "20000", "--eval-every", "5"], "the validation split has"),
 ])
 def test_a_broken_token_file_is_refused_before_any_rank_starts(corpus, tmp_path, how, args, fragment):
     """slurm/lib/launch.sh runs the recipe's --preflight on the batch node before srun; the ranks check too."""
@@ -141,20 +212,49 @@ def test_a_broken_token_file_is_refused_before_any_rank_starts(corpus, tmp_path,
         assert result.stderr.count("[ddp] error: ") == 1 and not (tmp_path / "run" / "metrics.json").exists()
 
 
+def test_a_token_file_missing_inside_a_container_is_named_as_a_mount_problem(tmp_path):
+    """In the image (here: as Shifter marks its containers), a prefix that is not there is most often one the
+    runtime does not mount: the recipe's preflight says which mounts each runtime has."""
+    prefix = tmp_path / "elsewhere" / "tokens"
+    result = run([sys.executable, str(REPO / "recipes" / "ddp" / "train.py"), "--out-dir", str(tmp_path / "run"),
+                  "--data", str(prefix), "--preflight", "2"], env=recipe_env(SHIFTER_RUNTIME="1"), timeout=120)
+    assert result.returncode == 2 and result.stderr.count("[ddp] error: ") == 1, result.stderr
+    assert f"{prefix}.json does not exist in this shifter container" in result.stderr
+    assert f'Shifter: $SCRATCH, $HOME; podman and podman-hpc: CONTAINER_MOUNTS="{prefix.parent}"' in result.stderr
+
+
 def test_two_ranks_on_real_data_match_one_process_and_the_control_is_caught(corpus, tmp_path):
     args = ["--data", str(corpus), "--global-batch", "8", "--max-steps", "5", *SGD]
     assert_ok(run_single(tmp_path / "one", *args))
     reference = read_metrics(tmp_path / "one")
     assert reference["config"]["data"] == str(corpus) and reference["world_size"] == 1
-    assert_ok(run_torchrun(tmp_path / "two", 2, *args))
+    # (each rank's batches read ahead by 2 DataLoader worker processes: the same rows, in the same order)
+    assert_ok(run_torchrun(tmp_path / "two", 2, *args, "--data-workers", "2"))
     parallel = read_metrics(tmp_path / "two")
     assert parallel["world_size"] == 2 and parallel["backend"] == "gloo" and parallel["model_wrapper"] == "DistributedDataParallel"
+    assert parallel["config"]["data_workers"] == 2 and reference["config"]["data_workers"] == -1  # (-1: none on a CPU)
     assert max_relative_difference(losses(parallel), losses(reference)) <= LOSS_RTOL
     # The data really is the corpus: the synthetic task's first loss differs (same weights, other tokens).
     assert_ok(run_single(tmp_path / "synthetic", *args[2:]))
     assert abs(losses(read_metrics(tmp_path / "synthetic"))[0] - losses(reference)[0]) > 1e-3
     assert_ok(run_torchrun(tmp_path / "control", 2, *args, "--test-break", "grad-sum"))
     assert max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)) > 100 * LOSS_RTOL
+
+
+def test_megatron_on_real_data_two_ranks_match_one_process(corpus, tmp_path):
+    """The Megatron recipe's GPTDataset path: TP 1 x DP 2 against one process, training and validation loss."""
+    recipe = REPO / "recipes" / "megatron_tp_pp" / "train.py"
+    args = ["--data", str(corpus), "--seq-len", "32", "--num-layers", "2", "--global-batch", "8", "--max-steps", "4",
+            "--eval-every", "2", "--eval-batches", "2", *SGD, "--clip-grad", "0"]
+    assert_ok(run([sys.executable, str(recipe), "--out-dir", str(tmp_path / "one"), *args], env=recipe_env(), timeout=300))
+    assert_ok(run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                   f"--master_port={free_port()}", str(recipe), "--out-dir", str(tmp_path / "two"), *args],
+                  env=recipe_env(HPCML_EXPECTED_WORLD_SIZE="2"), timeout=300))
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert two["layout"]["dp"] == 2 and two["world_size"] == 2 and one["world_size"] == 1
+    assert max_relative_difference(losses(two), losses(one)) <= LOSS_RTOL
+    assert len(eval_losses(one)) == 2 and max_relative_difference(eval_losses(two), eval_losses(one)) <= LOSS_RTOL
+    assert list((tmp_path / "two" / "megatron_data_cache").glob("*GPTDataset-train-*"))
 
 
 def test_a_resume_mid_epoch_continues_the_same_curve(tmp_path):
@@ -176,7 +276,8 @@ def test_a_resume_mid_epoch_continues_the_same_curve(tmp_path):
     for defect in (None, "resume-data-from-start"):
         out = tmp_path / f"resumed-{defect}"
         assert_ok(run_single(out, *args, "--stop-at-step", "5"))
-        assert_ok(run_single(out, *args, *(["--test-break", defect] if defect else [])))
+        # (resumed with DataLoader workers reading ahead from the checkpoint's step on)
+        assert_ok(run_single(out, *args, *(["--test-break", defect] if defect else ["--data-workers", "2"])))
         metrics = read_metrics(out)
         assert metrics["resumed_from_step"] == 5 and [r["step"] for r in metrics["history"]] == list(range(1, 9))
         if defect is None:
