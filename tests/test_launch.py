@@ -134,6 +134,31 @@ def test_unwritable_run_directory_and_bad_mounts_fail_before_srun(tmp_path):
     assert "CONTAINER_MOUNTS: 'relative/dir' is not an existing absolute directory" in error
 
 
+def test_a_token_file_must_be_on_the_batch_node_and_mounted_into_the_containers(tmp_path):
+    """--data PREFIX: readable on the batch node, and under podman/podman-hpc inside a mounted directory; the
+    line names the CONTAINER_MOUNTS that fixes it. (Missing inside a Shifter image: the recipe's own
+    preflight says so, tests/test_data.py.)"""
+    data = tmp_path / "data"
+    data.mkdir()
+    prefix = data / "tokens"
+    error = one_line_error(launch("--data", str(prefix), CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1"))
+    assert f"--data {prefix}: {prefix}.json is not readable on the batch node" in error and "prepare.py --out" in error
+    for suffix in (".bin", ".idx", ".json"):
+        Path(f"{prefix}{suffix}").write_text("")
+    for runtime in ("podman", "podman-hpc"):
+        image = dict(CONTAINER_IMAGE="me/ddp:v1", CONTAINER_RUNTIME=runtime, LAUNCH_DRY_RUN="1")
+        error = one_line_error(launch(f"--data={prefix}", **image, CONTAINER_MOUNTS=str(REPO / "recipes")))
+        assert f"--data {prefix} is not in any directory mounted into the {runtime} containers" in error
+        assert f'CONTAINER_MOUNTS="{REPO}/recipes {data}"' in error
+        mounted = launch("--data", "synthetic", "--data", str(prefix), **image, CONTAINER_MOUNTS=str(data))
+        assert mounted.returncode == 0 and str(data) in mounts(srun_line(mounted)), mounted.stderr
+    for runtime in ("none", "shifter"):  # the host's files, the site's file systems
+        assert launch("--data", str(prefix), CONTAINER_RUNTIME=runtime, CONTAINER_IMAGE="me/ddp:v1",
+                      LAUNCH_DRY_RUN="1").returncode == 0
+    assert launch("--data", "synthetic", CONTAINER_RUNTIME="podman", CONTAINER_IMAGE="me/ddp:v1",
+                  LAUNCH_DRY_RUN="1").returncode == 0
+
+
 def test_podman_mounts_a_working_directory_outside_the_repository(tmp_path):
     script_env = {"CONTAINER_RUNTIME": "podman", "LAUNCH_DRY_RUN": "1", "CONTAINER_IMAGE": "me/ddp:v1"}
     script = f'set -euo pipefail; source "{REPO}/slurm/lib/launch.sh"; launch_recipe recipes/ddp/train.py'

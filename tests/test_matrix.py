@@ -4,7 +4,9 @@ A cell builds its cpu image (from cache when unchanged), submits slurm/<recipe>.
 CONTAINER_RUNTIME=<runtime>, waits, and checks: the exit code and Slurm's final state; from inside the
 run, the world size, backend, wrapper, layout, hosts and the container (and interpreter) it ran in; the
 metrics JSON; and the loss of every step against one plain process on the same data and weights
-(relative 1e-5), so a job that silently trains on fewer ranks, or in the wrong environment, fails.
+(relative 1e-5), so a job that silently trains on fewer ranks, or in the wrong environment, fails. Cells
+with ``data = true`` train on a token file outside the checkout, mounted as a user would mount a data set,
+and their validation losses are compared too.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import math
 import re
 import shutil
 import sys
+import sysconfig
 import tempfile
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, TINY, build_images, container_env, job_nodes, job_state, losses, podman_hpc_migrate,
-                      podman_load_as_user, read_metrics, recipe_env, run, shifter_pull, step_launches, submit_recipe)
+from conftest import (EVAL, REPO, TINY, build_images, container_env, eval_losses, job_nodes, job_state, losses,
+                      podman_hpc_migrate, podman_load_as_user, read_metrics, recipe_env, run, shifter_pull, step_launches,
+                      submit_recipe)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
 MATRIX = REPO / "tests" / "matrix.toml"
@@ -78,10 +82,11 @@ def load_cells() -> list[dict]:
     cells = tomllib.loads(MATRIX.read_text())["cell"]
     for cell in cells:
         unknown = set(cell) - {"image", "recipe", "runtime", "image_from", "user", "nodes", "tasks_per_node",
-                               "devices_per_task", "layout", "args", "expect", "tier"}
+                               "devices_per_task", "layout", "args", "expect", "tier", "data"}
         assert not unknown, f"matrix.toml: unknown keys {unknown} in {cell}"
         assert cell["expect"] in ("pass", "config-error"), cell
         assert cell.setdefault("tier", "default") in ("default", "full"), cell
+        assert cell.setdefault("data", False) in (True, False) and not (cell["data"] and cell["expect"] != "pass"), cell
         assert cell["runtime"] in RUNTIMES, cell
         cell.setdefault("user", "normal" if cell["runtime"] in AS_USER else "root")
         assert cell["user"] in ("normal", "root") and (cell["user"] == "normal" or cell["runtime"] not in AS_USER), cell
@@ -98,7 +103,8 @@ def cell_id(cell: dict) -> str:
     return (f"{cell['image']}-{cell['recipe']}-{cell['runtime']}{'-rootless' if cell['runtime'] == 'podman' and cell['user'] == 'normal' else ''}"
             f"-{cell['nodes']}x{cell['tasks_per_node']}-"
             + ("" if cell["runtime"] == "none" or cell["image_from"] == "env" else f"image_{cell['image_from']}-")
-            + f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else ""))
+            + f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else "")
+            + ("-token_file" if cell["data"] else ""))
 
 
 CELLS = load_cells()
@@ -134,15 +140,32 @@ def reference_args(recipe: str, args: list[str], world: int) -> tuple[str, ...]:
 
 
 @functools.cache
-def reference_losses(recipe: str, args: tuple[str, ...]) -> tuple[float, ...]:
-    """The recipe as one plain process on the host: the loss every parallel layout must reproduce."""
+def reference_losses(recipe: str, args: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The recipe as one plain process on the host: the losses every parallel layout must reproduce (training,
+    and validation where the run evaluates)."""
     out_dir = Path(tempfile.mkdtemp(prefix=f"reference-{recipe}-"))
     result = run([BARE_PYTHON.get(recipe, sys.executable), str(REPO / "recipes" / recipe / "train.py"),
                   "--out-dir", str(out_dir), *args], env=recipe_env(), timeout=300)
     assert result.returncode == 0, result.stderr
-    reference = tuple(losses(read_metrics(out_dir)))
+    metrics = read_metrics(out_dir)
     shutil.rmtree(out_dir)
-    return reference
+    return tuple(losses(metrics)), tuple(eval_losses(metrics))
+
+
+@pytest.fixture(scope="session")
+def shared_token_file() -> Path:
+    """A token file as a user's data set: outside any checkout, in a directory every user can read (under /tmp,
+    which the Shifter stand-in mounts as Perlmutter mounts $SCRATCH; podman and podman-hpc need CONTAINER_MOUNTS)."""
+    directory = Path(tempfile.mkdtemp(prefix="hpcml-data-", dir="/tmp"))
+    directory.chmod(0o755)
+    prefix = directory / "json"
+    result = run([sys.executable, str(REPO / "recipes" / "data" / "prepare.py"), "--out", str(prefix),
+                  str(Path(sysconfig.get_paths()["stdlib"]) / "json")], env=recipe_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    for path in directory.iterdir():
+        path.chmod(0o644)
+    yield prefix
+    shutil.rmtree(directory)
 
 
 def parse_layout(layout: str) -> dict[str, int]:
@@ -171,6 +194,8 @@ def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
         assert {c["image"] for c in default if c["runtime"] == runtime} == families, f"default tier, {runtime}"
     assert {c["runtime"] for c in default} == set(RUNTIMES)
     assert {c["image_from"] for c in default if c["runtime"] == "shifter"} == {"sbatch", "env", "recorded"}
+    # a data set from a shared file system: mounted by the site (Shifter) and through CONTAINER_MOUNTS (podman-hpc)
+    assert {c["runtime"] for c in default if c["data"]} >= {"shifter", "podman-hpc"}
     for cell in CELLS:
         ranks = cell["nodes"] * cell["tasks_per_node"] * cell.get("devices_per_task", 1)
         assert math.prod(parse_layout(cell["layout"]).values()) == ranks, cell
@@ -183,6 +208,11 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     args = [*RECIPE_BASE_ARGS.get(recipe, BASE_ARGS), *RECIPE_SGD.get(recipe, SGD), *cell["args"]]
     image = f"hpcml/{cell['image']}:cpu"
     env, options, user, work = {"CONTAINER_RUNTIME": runtime}, [], None, tmp_path
+    if cell["data"]:  # a data set outside the checkout, mounted as a user mounts one
+        token_file = request.getfixturevalue("shared_token_file")
+        args += ["--data", str(token_file), *EVAL]
+        if runtime in ("podman", "podman-hpc"):
+            env["CONTAINER_MOUNTS"] = str(token_file.parent)
     if cell["user"] == "normal":  # a normal user, as every Perlmutter user, from their own checkout
         # (rootless podman needs what podman-hpc's set-up gives the user: /dev/fuse, host networking)
         user = request.getfixturevalue("cluster_user" if runtime == "shifter" else "podman_hpc_user")
@@ -255,5 +285,8 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     assert [record["step"] for record in metrics["history"]] == [1, 2, 3, 4]
 
-    reference = reference_losses(recipe, reference_args(recipe, args, world))
+    reference, reference_eval = reference_losses(recipe, reference_args(recipe, args, world))
     assert losses(metrics) == pytest.approx(list(reference), rel=LOSS_RTOL)
+    if cell["data"]:  # it read the data set, and evaluated on its validation split as one process does
+        assert metrics["config"]["data"] == args[args.index("--data") + 1] and len(eval_losses(metrics)) == 2
+        assert eval_losses(metrics) == pytest.approx(list(reference_eval), rel=LOSS_RTOL)

@@ -38,7 +38,9 @@
 #   RUN_DIR            the run's output directory (checkpoints, metrics): created here, mounted into the
 #                      container; the sbatch files default it to runs/<recipe>-<jobid> in the repository
 #   CONTAINER_MOUNTS   more host directories the ranks need (data sets), space-separated; each is mounted
-#                      at the same path (podman, podman-hpc; Shifter mounts $SCRATCH and $HOME itself)
+#                      at the same path (podman, podman-hpc; Shifter mounts $SCRATCH and $HOME itself).
+#                      A recipe's --data PREFIX must be readable on the batch node and, under podman and
+#                      podman-hpc, inside a mounted directory (the preflight refuses the job otherwise)
 
 SUPPORTED_RUNTIMES="shifter podman-hpc podman none"
 
@@ -348,6 +350,34 @@ check_allocation() {
     done
 }
 
+# --data PREFIX (a token file of recipes/data/prepare.py): readable on the batch node and, under podman and
+# podman-hpc, inside a directory mounted into the containers. (Under Shifter, the site's file systems are
+# mounted: the recipe's own preflight, in the image, says so when the prefix is not visible there.)
+check_data_path() {
+    local runtime=$1 prefix="" previous="" arg suffix dir
+    shift
+    for arg in "$@"; do # the last --data wins, as in argparse
+        [[ $previous == --data ]] && prefix=$arg
+        [[ $arg == --data=* ]] && prefix=${arg#--data=}
+        previous=$arg
+    done
+    [[ -n $prefix && $prefix != synthetic ]] || return 0
+    [[ $prefix == /* ]] || prefix=$PWD/$prefix
+    for suffix in .json .idx .bin; do
+        [[ -r $prefix$suffix ]] || launch_error "--data $prefix: $prefix$suffix is not readable on the batch node" \
+            "$(hostname): prepare it first (python recipes/data/prepare.py --out $prefix) on a file system every" \
+            "node mounts (Perlmutter: under \$SCRATCH)"
+    done
+    [[ $runtime == podman || $runtime == podman-hpc ]] || return 0
+    # shellcheck disable=SC2086 # CONTAINER_MOUNTS is a space-separated list
+    for dir in "$REPO_DIR" "$PWD" ${RUN_DIR:+"$RUN_DIR"} ${CONTAINER_MOUNTS:-}; do
+        is_inside "$prefix" "$dir" && return 0
+    done
+    launch_error "--data $prefix is not in any directory mounted into the $runtime containers (the repository," \
+        "the working directory, RUN_DIR${CONTAINER_MOUNTS:+, CONTAINER_MOUNTS}): mount its directory," \
+        "CONTAINER_MOUNTS=\"${CONTAINER_MOUNTS:+$CONTAINER_MOUNTS }$(dirname "$prefix")\""
+}
+
 find_on_library_path() {
     local dir
     for dir in ${LD_LIBRARY_PATH//:/ }; do
@@ -410,6 +440,8 @@ launch_recipe() {
             launch_error "cannot write to the run directory RUN_DIR=$RUN_DIR: choose one you own (e.g. under \$SCRATCH)"
         fi
     fi
+
+    check_data_path "$runtime" "$@"
 
     MASTER_ADDR=${MASTER_ADDR:-$(first_node)}
     [[ -n $MASTER_ADDR ]] || launch_error "cannot tell the first node of the job (SLURM_JOB_NODELIST is empty): set MASTER_ADDR"
