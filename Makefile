@@ -29,14 +29,15 @@ PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 
 
 .PHONY: help system-deps venv venv-tf data run test test-full test-unit test-slurm test-images shellcheck hadolint \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
-	bench bench-quick gpu-check nccl-check
+	bench bench-quick bench-data gpu-check nccl-check
 
 help:
 	@sed -n 's/^#   //p' Makefile
 	@echo "images:  make build-IMAGE | push-IMAGE REGISTRY=... | pull-IMAGE REGISTRY=... | versions IMAGE=..."
 	@echo "         build-all, base-rootfs, pin-cuda-bases   (IMAGE: $(IMAGES); FLAVOR=cpu|cuda)"
 	@echo "tests:   test-full (test + the slower tier), test-unit test-slurm test-images hadolint shellcheck"
-	@echo "bench:   bench (about 30 min), bench-quick; gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
+	@echo "bench:   bench (about 30 min), bench-quick, bench-data (the token-file loader, DATA=PREFIX);"
+	@echo "         gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
 	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
 
 # Debian packages (Slurm, munge, podman, mmdebstrap, registry, skopeo, shellcheck, ...): installs what is
@@ -107,6 +108,11 @@ bench: venv
 
 bench-quick: venv
 	OMP_NUM_THREADS=1 $(PY) bench/run.py --quick --out runs/bench-quick
+
+# The data path: a token file read cold and from the page cache, with and without read-ahead workers,
+# against the DDP recipe's training throughput (runs/bench-data/data_loader.json). DATA=PREFIX: your data.
+bench-data: venv
+	OMP_NUM_THREADS=1 $(PY) bench/data_loader.py --out runs/bench-data $(if $(DATA),--data $(DATA))
 
 # On a GPU machine: tokens/s and MFU of the DDP recipe at ~1B parameters, eager and torch.compile.
 gpu-check: venv

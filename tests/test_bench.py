@@ -139,3 +139,20 @@ def test_podman_hpc_startup_benchmark_measures_both_ways_of_starting_ranks(slurm
     assert bench["shared_run_over_run"] == bench["shared_run_seconds"][0] / bench["run_seconds"][0]
     assert bench["run_ranks_reported"] == [2] and bench["run_ranks_signalled"] == 2, bench
     assert 0 <= bench["shared_run_ranks_signalled"] <= 2 and "shared-run / run start-up:" in result.stdout
+
+
+def test_data_loader_benchmark_measures_cold_cached_and_read_ahead_against_training(tmp_path):
+    """bench/data_loader.py: every figure measured (positive, each pass recorded), the ratios computed from
+    the figures of the same run, and the cold pass really evicted the file (posix_fadvise), not skipped."""
+    result = run([sys.executable, str(REPO / "bench" / "data_loader.py"), "--quick", "--out", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bench = json.loads((tmp_path / "data_loader.json").read_text())
+    assert bench["meta"]["mode"] == "quick" and bench["meta"]["tokens"] > 10_000
+    loader, training = bench["loader"], bench["training_tokens_per_s"]
+    assert set(loader) == {"cold", "page_cache", "page_cache_workers"} and loader["page_cache_workers"]["workers"] == 2
+    assert training > 0
+    for figure in loader.values():
+        assert figure["tokens_per_s"] == statistics.median(figure["passes"]) > 0
+        assert figure["ratio_to_training"] == pytest.approx(figure["tokens_per_s"] / training)
+    assert "loader/training: cold" in result.stdout
+    assert loader["cold"]["resident_bytes_after_evict"] == [0]  # (fincore) nothing of PREFIX.bin left in the page cache

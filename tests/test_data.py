@@ -161,6 +161,17 @@ def test_prepare_trains_a_bpe_on_the_corpus_reuses_it_and_a_recipe_trains_on_it(
         assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+def test_prepare_leaves_out_installed_packages_and_bytecode_caches(tmp_path):
+    """The default corpus is the stdlib directory, which holds site-packages (different on every machine)."""
+    inputs = tmp_path / "lib"
+    for name in ("a.py", "b.txt", "site-packages/pkg/c.py", "dist-packages/d.py", "__pycache__/e.py"):
+        (inputs / name).parent.mkdir(parents=True, exist_ok=True)
+        (inputs / name).write_text(f"# {name}\n")
+    assert_ok(prepare(tmp_path / "out" / "tokens", inputs))
+    meta = json.loads((tmp_path / "out" / "tokens.json").read_text())
+    assert meta["input_files"] == 2 and meta["tokens"] == len("# a.py\n# b.txt\n")
+
+
 def test_prepare_refuses_an_empty_corpus_and_bad_jsonl_and_writes_nothing(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "blank.txt").write_text("")

@@ -19,11 +19,12 @@ sidecar PREFIX.json with the dtype, the vocabulary size, the tokenizer and the t
 A tokenizer larger than the recipes' default needs --vocab-size N on every recipe (they refuse a token
 file whose vocabulary does not fit, with one line).
 
-Inputs: files or directories (searched for --suffixes); a .jsonl file is one document per line, its
-"text" field. Documents are read in sorted path order, tokenized by --workers processes, and written
-beside their final names, then renamed into place, the sidecar last: an interrupted run leaves no
-PREFIX.json, and the recipes refuse the prefix. A rerun whose inputs (paths, sizes, modification times)
-and options have not changed finds PREFIX.json up to date and does nothing.
+Inputs: files or directories (searched for --suffixes, leaving out site-packages, dist-packages and
+__pycache__); a .jsonl file is one document per line, its "text" field. Documents are read in sorted path
+order, tokenized by --workers processes, and written beside their final names, then renamed into place,
+the sidecar last: an interrupted run leaves no PREFIX.json, and the recipes refuse the prefix. A rerun whose
+inputs (paths, sizes, modification times), tokenizer and options have not changed finds PREFIX.json up to
+date and does nothing.
 
 On a cluster, prepare once on a login node into the shared file system (Perlmutter: $SCRATCH) and pass the
 prefix to every rank: the files are read through np.memmap, each rank its own rows.
@@ -85,11 +86,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# Not text anyone wrote for this corpus: installed packages (the stdlib directory holds site-packages, whose
+# contents differ from machine to machine) and bytecode caches.
+SKIPPED_DIRECTORIES = {"site-packages", "dist-packages", "__pycache__"}
+
+
 def input_files(inputs: list[Path], suffixes: set[str]) -> list[Path]:
     files = set()
     for path in inputs:
         if path.is_dir():
-            files.update(f for f in path.rglob("*") if f.is_file() and f.suffix in suffixes)
+            files.update(f for f in path.rglob("*") if f.is_file() and f.suffix in suffixes
+                         and not SKIPPED_DIRECTORIES & set(f.relative_to(path).parts[:-1]))
         elif path.is_file():
             files.add(path)
         else:
