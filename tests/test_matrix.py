@@ -184,14 +184,17 @@ def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
         assert covered == families, f"image families without a passing {runtime} cell: {families - covered}"
     assert {c["image_from"] for c in CELLS if c["runtime"] == "shifter"} == {"sbatch", "env", "recorded"}
     # `make test` runs the default tier only (`make test-full` every cell): it still starts every recipe in
-    # a container and bare, every image family under Shifter and under podman-hpc as a normal user, and
-    # every runtime; the slower tier repeats those paths in more layouts and as root under plain podman.
+    # a container and bare, every image family under Shifter, podman-hpc and rootless podman as a normal
+    # user, and every runtime; the slower tier repeats those paths in more layouts and as root under podman.
     default = [c for c in CELLS if c["tier"] == "default" and c["expect"] == "pass"]
     for recipe in recipes:
         runtimes = {c["runtime"] for c in default if c["recipe"] == recipe}
         assert "none" in runtimes and runtimes - {"none"}, f"recipe {recipe}: default tier has {runtimes}"
     for runtime in AS_USER:
         assert {c["image"] for c in default if c["runtime"] == runtime} == families, f"default tier, {runtime}"
+    # ... and under rootless podman, as the normal user, from the image in their own store
+    rootless = {c["image"] for c in default if c["runtime"] == "podman" and c["user"] == "normal"}
+    assert rootless == families, f"default tier, rootless podman: no passing cell for {families - rootless}"
     assert {c["runtime"] for c in default} == set(RUNTIMES)
     assert {c["image_from"] for c in default if c["runtime"] == "shifter"} == {"sbatch", "env", "recorded"}
     # a data set from a shared file system: mounted by the site (Shifter) and through CONTAINER_MOUNTS (podman-hpc)

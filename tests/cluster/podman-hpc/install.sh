@@ -149,7 +149,13 @@ YAML
 # podman-hpc's mount program). Containers use the host's network: no /dev/net/tun for slirp4netns here
 # (`migrate` runs a plain podman, which reads ~/.config/containers instead).
 user_setup() {
-    local dir
+    local dir own=$HOME/.config/containers/storage.conf
+    # The user's own rootless podman (the plain podman cells; podman-hpc's migrate runs it too): overlay
+    # layers through fuse-overlayfs. Without a storage.conf podman 4.3 picks vfs here, a full copy of the
+    # file system per layer: the five cpu images took 42 GB. A vfs store left from before is emptied first.
+    if [[ ! -f $own && -d $HOME/.local/share/containers/storage/vfs ]]; then
+        podman system reset --force >/dev/null 2>&1 || true
+    fi
     for dir in "/tmp/$(id -u)_hpc/config/containers" "$HOME/.config/containers"; do
         mkdir -p "$dir"
         printf '[containers]\nnetns = "host"\n' >"$dir/containers.conf"
@@ -166,6 +172,7 @@ mount_program = "$PREFIX/bin/fuse-overlayfs-wrap"
 ignore_chown_errors = "true"
 TOML
     mkdir -p "$SCRATCH/storage"
+    printf '[storage]\ndriver = "overlay"\n[storage.options.overlay]\nmount_program = "/usr/bin/fuse-overlayfs"\n' >"$own"
 }
 
 case ${1:-install} in
