@@ -189,15 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     # the prepared model (its autocast; FSDP gathers the shards in forward)
     validation = harness.validation_data(args)
 
-    @torch.no_grad()
     def evaluate() -> float:
         model.eval()
-        total = torch.zeros((), device=device)
-        for batch in range(args.eval_batches):
-            inputs, targets = validation.local_batch(batch, args.global_batch, accelerator.process_index, world_size)
-            total += model(inputs.to(device), targets.to(device)).float()
+        loss = harness.validation_loss(model, validation, args, args.global_batch, accelerator.process_index,
+                                       world_size, device)
         model.train()
-        return harness.mean_across_ranks(total / args.eval_batches, world_size)
+        return harness.mean_across_ranks(loss, world_size)
 
     # ---- training loop: one optimizer step = --grad-accum micro-batches on every rank
     data = harness.training_data(args)  # --data: synthetic or a token file

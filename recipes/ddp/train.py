@@ -135,16 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     # ---- evaluation: the loss on the validation data (--eval-every), each rank its rows, averaged over ranks
     validation = harness.validation_data(args)
 
-    @torch.no_grad()
     def evaluate() -> float:
         model.eval()
-        total = torch.zeros((), device=device)
-        for batch in range(args.eval_batches):
-            inputs, targets = validation.local_batch(batch, args.global_batch, env.rank, env.world_size)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                total += raw_model(inputs.to(device), targets.to(device)).float()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = harness.validation_loss(raw_model, validation, args, args.global_batch, env.rank, env.world_size, device)
         model.train()
-        return harness.mean_across_ranks(total / args.eval_batches, env.world_size)
+        return harness.mean_across_ranks(loss, env.world_size)
 
     # ---- training loop
     data = harness.training_data(args)  # --data: synthetic or a token file

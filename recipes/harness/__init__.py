@@ -10,7 +10,7 @@
     checkpoint  atomic checkpoint files and directories; which checkpoint a rerun resumes
     signals     SIGUSR1/SIGTERM: stop after the step, checkpoint, leave the stop marker
     run         TrainingRun: the step range, checkpoint cadence, the stop agreement and the end of a run;
-                the optimizer of --optimizer (adamw, or sgd for the parity tests)
+                the optimizer of --optimizer (adamw, or sgd for the parity tests); a rank's validation loss
 
 Recipes put ``recipes/`` on ``sys.path`` and ``import harness``; the names below are the ones they use.
 No module imports PyTorch or TensorFlow at import time (the TensorFlow recipes load no torch).
@@ -36,7 +36,7 @@ from .launch import (
     mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed,
 )
 from .metrics import describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, transformer_flops_per_token
-from .run import torch_optimizer, TrainingRun
+from .run import torch_optimizer, TrainingRun, validation_loss
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
 __all__ = [
@@ -53,5 +53,5 @@ __all__ = [
     "save_sharded_checkpoint", "setup_torch_distributed", "staging_checkpoint_dir", "start_metrics",
     "stderr_line", "step_batches", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir",
     "tf_step_batches", "TokenFileData", "torch_optimizer", "training_data", "TRAINER_STATE", "TrainingRun",
-    "transformer_flops_per_token", "validate_run", "validation_data",
+    "transformer_flops_per_token", "validate_run", "validation_data", "validation_loss",
 ]

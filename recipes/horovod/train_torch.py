@@ -121,16 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     # ---- evaluation (--eval-every): the validation loss, each rank its rows, averaged over the ranks
     validation = harness.validation_data(args)
 
-    @torch.no_grad()
     def evaluate() -> float:
         model.eval()
-        total = torch.zeros((), device=device)
-        for batch in range(args.eval_batches):
-            inputs, targets = validation.local_batch(batch, global_batch, rank, world_size)
-            total += model(inputs.to(device), targets.to(device))
+        loss = harness.validation_loss(model, validation, args, global_batch, rank, world_size, device)
         model.train()
-        mean = total / args.eval_batches
-        return float(hvd.allreduce(mean, op=hvd.Average)) if world_size > 1 else float(mean)
+        return float(hvd.allreduce(loss, op=hvd.Average)) if world_size > 1 else float(loss)
 
     # ---- training loop
     run = harness.TrainingRun(RECIPE, args, rank, start_step, agree)
