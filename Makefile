@@ -5,6 +5,7 @@
 #               installs the Debian packages it needs (make system-deps), the venvs and the cpu images
 #   make system-deps   the Debian packages of requirements/debian.txt that are missing (root; once)
 #   make venv-tf   .venv-tf for the TensorFlow/Horovod recipes run bare (Horovod from the horovod image)
+#   make site-env  both venvs for every user of this machine, in SITE_ENV (root; the bare runtime as a user)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -27,7 +28,7 @@ PYTEST_ARGS ?=
 PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) \
 	--durations=25 $(PYTEST_ARGS)
 
-.PHONY: help system-deps venv venv-tf data run test test-full test-unit test-slurm test-images shellcheck hadolint \
+.PHONY: help system-deps venv venv-tf site-env data run test test-full test-unit test-slurm test-images shellcheck hadolint \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
 	bench bench-quick bench-data gpu-check nccl-check
 
@@ -73,6 +74,16 @@ $(VENV_TF)/.installed: requirements/tensorflow.txt containers/versions.env conta
 	done
 	TF_USE_LEGACY_KERAS=1 $(VENV_TF)/bin/python -c 'import horovod.tensorflow as hvd, horovod.torch; assert hvd.gloo_built() and hvd.mpi_built()'
 	touch $@
+
+# Both venvs for every user of the machine, as a center's software module is: built from a Python every
+# user can run (Debian's; a venv links to its interpreter, and one under root's home is root's alone), and
+# world-readable. As root, once; then, as any user: CONTAINER_RUNTIME=none PYTHON=$(SITE_ENV)/venv/bin/python
+# sbatch slurm/ddp.sh (venv-tf/bin/python for the TensorFlow recipes).
+SITE_ENV ?= /opt/hpcml-env
+SITE_PYTHON ?= /usr/bin/python3
+site-env:
+	$(MAKE) venv venv-tf VENV=$(SITE_ENV)/venv VENV_TF=$(SITE_ENV)/venv-tf PYTHON=$(SITE_PYTHON)
+	chmod -R a+rX $(SITE_ENV)
 
 # A token file from real text (the Python standard library's sources, byte-level): --data data/stdlib/tokens
 data: venv

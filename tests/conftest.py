@@ -291,6 +291,22 @@ def cluster_user() -> ClusterUser:
     return ClusterUser(CLUSTER_USER, repo)
 
 
+SITE_ENV = Path("/opt/hpcml-env")
+
+
+@pytest.fixture(scope="session")
+def site_env() -> Path:
+    """Both venvs for every user of the cluster (`make site-env`: built from Debian's Python, world-readable),
+    as a center's software module is: what a normal user's bare jobs run (root's venvs link to an interpreter
+    only root can reach here). Installed once, from pip's cache and the horovod image's wheel (minutes)."""
+    with open("/tmp/hpcml-site-env.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        env = {key: value for key, value in container_env().items() if not key.startswith("MAKE")}
+        installed = run(["make", "-C", str(REPO), "site-env", f"SITE_ENV={SITE_ENV}"], env=env, timeout=1800)
+        assert installed.returncode == 0, f"make site-env:\n{installed.stdout[-4000:]}\n{installed.stderr[-4000:]}"
+    return SITE_ENV
+
+
 PODMAN_HPC_INSTALL = REPO / "tests" / "cluster" / "podman-hpc" / "install.sh"
 PODMAN_HPC_PREFIX = Path("/opt/hpcml-podman-hpc")
 

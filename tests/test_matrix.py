@@ -49,6 +49,7 @@ BACKEND = {"horovod": "horovod-gloo", "tf_mirrored": "MirroredStrategy/Reduction
 LOSS_RTOL = 1e-5
 RUNTIMES = ("shifter", "podman-hpc", "podman", "none")
 AS_USER = ("shifter", "podman-hpc")  # always submitted by a normal user, as on Perlmutter
+BY_DEFAULT_AS_USER = (*AS_USER, "none")  # (bare: the site's venvs, make site-env)
 CONTAINER = {"shifter": "shifter", "podman-hpc": "podman", "podman": "podman"}  # what a rank inside sees
 IMAGE_PYTHON = "/opt/venv/bin/python3"
 # What each recipe must report from inside a run of more than one rank: the wrapper around the model, and
@@ -88,9 +89,8 @@ def load_cells() -> list[dict]:
         assert cell.setdefault("tier", "default") in ("default", "full"), cell
         assert cell.setdefault("data", False) in (True, False) and not (cell["data"] and cell["expect"] != "pass"), cell
         assert cell["runtime"] in RUNTIMES, cell
-        cell.setdefault("user", "normal" if cell["runtime"] in AS_USER else "root")
+        cell.setdefault("user", "normal" if cell["runtime"] in BY_DEFAULT_AS_USER else "root")
         assert cell["user"] in ("normal", "root") and (cell["user"] == "normal" or cell["runtime"] not in AS_USER), cell
-        assert cell["user"] == "root" or cell["runtime"] != "none", cell  # (the bare runtime runs root's venvs)
         cell.setdefault("image_from", "sbatch" if cell["runtime"] == "shifter" else "env")
         assert cell["image_from"] in ("sbatch", "env", "recorded"), cell
         assert cell["image_from"] != "sbatch" or cell["runtime"] == "shifter", cell
@@ -185,7 +185,8 @@ def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
     assert {c["image_from"] for c in CELLS if c["runtime"] == "shifter"} == {"sbatch", "env", "recorded"}
     # `make test` runs the default tier only (`make test-full` every cell): it still starts every recipe in
     # a container and bare, every image family under Shifter, podman-hpc and rootless podman as a normal
-    # user, and every runtime; the slower tier repeats those paths in more layouts and as root under podman.
+    # user, every recipe bare as that user, and every runtime; the slower tier repeats those paths in more
+    # layouts and as root.
     default = [c for c in CELLS if c["tier"] == "default" and c["expect"] == "pass"]
     for recipe in recipes:
         runtimes = {c["runtime"] for c in default if c["recipe"] == recipe}
@@ -195,6 +196,9 @@ def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
     # ... and under rootless podman, as the normal user, from the image in their own store
     rootless = {c["image"] for c in default if c["runtime"] == "podman" and c["user"] == "normal"}
     assert rootless == families, f"default tier, rootless podman: no passing cell for {families - rootless}"
+    # ... and bare, as the normal user, every recipe on the site's venvs
+    bare = {c["recipe"] for c in default if c["runtime"] == "none" and c["user"] == "normal"}
+    assert bare == recipes, f"default tier, bare as a normal user: no passing cell for {recipes - bare}"
     assert {c["runtime"] for c in default} == set(RUNTIMES)
     assert {c["image_from"] for c in default if c["runtime"] == "shifter"} == {"sbatch", "env", "recorded"}
     # a data set from a shared file system: mounted by the site (Shifter) and through CONTAINER_MOUNTS (podman-hpc)
@@ -218,13 +222,16 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
             env["CONTAINER_MOUNTS"] = str(token_file.parent)
     if cell["user"] == "normal":  # a normal user, as every Perlmutter user, from their own checkout
         # (rootless podman needs what podman-hpc's set-up gives the user: /dev/fuse, host networking)
-        user = request.getfixturevalue("cluster_user" if runtime == "shifter" else "podman_hpc_user")
+        user = request.getfixturevalue("cluster_user" if runtime in ("shifter", "none") else "podman_hpc_user")
         work = user.work_dir(tmp_path)
         if runtime == "podman-hpc":
             podman_hpc_migrate(user, cell["image"])
         elif runtime == "podman":  # rootless podman: the image in the user's own store
             podman_load_as_user(user, cell["image"])
-    if runtime == "none":
+    if runtime == "none" and user is not None:  # the site's venvs, as a user's `module load` gives them
+        site_env = request.getfixturevalue("site_env")
+        env["PYTHON"] = str(site_env / ("venv-tf" if recipe in BARE_PYTHON else "venv") / "bin" / "python")
+    elif runtime == "none":
         if recipe in BARE_PYTHON:
             env["PYTHON"] = BARE_PYTHON[recipe]
     elif cell["image_from"] == "sbatch":
@@ -279,6 +286,8 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     else:
         # (this test machine may itself be a container; what matters is that it is not the image)
         assert metrics["container"] not in ("podman", "shifter") and metrics["python"] != IMAGE_PYTHON, metrics
+        if "PYTHON" in env:  # ... and it was the interpreter the job was given (the user's: the site's venv)
+            assert metrics["python"] == env["PYTHON"], metrics
     if user is not None:  # written by the user's ranks, as the user
         assert (tmp_path / "run" / "metrics.json").stat().st_uid == user.uid
     if runtime in ("podman", "podman-hpc"):  # and from the runtime's own record: the containers the job started

@@ -9,8 +9,11 @@ starting ranks, and answer 0, or 2 with one line, in seconds, without creating a
 from __future__ import annotations
 
 import re
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -140,6 +143,32 @@ def test_a_bare_python_without_the_framework_is_one_line(tmp_path):
     assert lines[0].startswith("launch: error: recipes/ddp/train.py cannot import torch with PYTHON=/usr/bin/python3 "
                                "(/usr/bin/python3) on "), lines[0]
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_bare_python_the_user_cannot_run_is_one_line(cluster_user, tmp_path):
+    """As a normal user, CONTAINER_RUNTIME=none with an interpreter only root can reach (a venv's Python under
+    root's home, as root's own venvs are here; made here as a link in a directory of mode 700) or one that is
+    not there: one line naming it and the fix, exit 2, before any rank would fail with "Permission denied"."""
+    private = Path(tempfile.mkdtemp(prefix="hpcml-root-only-"))  # mode 700, root's
+    (private / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # (this venv's Python)
+    (private / "python").chmod(0o755)
+    work = cluster_user.work_dir(tmp_path)
+    try:
+        for python in (private / "python", work / "no-venv" / "bin" / "python"):
+            result = cluster_user.run(["bash", "slurm/preflight.sh", "slurm/ddp.sh"], timeout=60, env={
+                "CONTAINER_RUNTIME": "none", "PYTHON": str(python), "RUN_DIR": str(work / "run")})
+            assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+                f"launch: error: PYTHON={python} is not an interpreter {cluster_user.name} can run on {socket.gethostname()}:"
+                " use a Python environment every user of the compute nodes can read (make site-env builds one), or run"
+                " in the image (CONTAINER_RUNTIME=shifter, podman-hpc or podman)"], result.stdout + result.stderr
+        # the control: root's own check of the same interpreter passes this line (root can reach it)
+        result = subprocess.run(["bash", str(PREFLIGHT), "slurm/ddp.sh"], cwd=REPO, capture_output=True, text=True,
+                                timeout=120, env=recipe_env(CONTAINER_RUNTIME="none", PYTHON=str(private / "python"),
+                                                            RUN_DIR=str(tmp_path / "run")))
+        assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        shutil.rmtree(private)
+    assert not (work / "run").exists()
 
 
 def test_a_run_directory_the_user_cannot_write_is_refused_as_a_permission_error(cluster_user, tmp_path):

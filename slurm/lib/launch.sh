@@ -378,6 +378,19 @@ check_data_path() {
         "CONTAINER_MOUNTS=\"${CONTAINER_MOUNTS:+$CONTAINER_MOUNTS }$(dirname "$prefix")\""
 }
 
+# The bare runtime runs PYTHON on every node as the job's user: an interpreter that user cannot run (a venv
+# whose Python lives under another user's home, mode 700; a path that is not there) is one line here rather
+# than "Permission denied" from every rank.
+check_bare_python() {
+    local python=${PYTHON:-python3} path
+    path=$(command -v "$python" 2>/dev/null) || true
+    [[ -n $path && -x $path ]] && return 0
+    [[ -z $path ]] || python+=" ($(readlink -m "$path"))"
+    launch_error "PYTHON=$python is not an interpreter $(id -un) can run on $(hostname): use a Python" \
+        "environment every user of the compute nodes can read (make site-env builds one), or run in the image" \
+        "(CONTAINER_RUNTIME=shifter, podman-hpc or podman)"
+}
+
 find_on_library_path() {
     local dir
     for dir in ${LD_LIBRARY_PATH//:/ }; do
@@ -432,16 +445,16 @@ launch_recipe() {
     image=$IMAGE
     export_network_settings
     check_allocation "$runtime"
+    [[ -z ${RUN_DIR:-} || $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
+    check_data_path "$runtime" "$@"
+    [[ $runtime != none || ${LAUNCH_DRY_RUN:-0} == 1 ]] || check_bare_python
     local created_run_dir=0
     if [[ -n ${RUN_DIR:-} ]]; then
-        [[ $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
         [[ -d $RUN_DIR ]] || created_run_dir=1
         if [[ ${LAUNCH_DRY_RUN:-0} != 1 ]] && ! { mkdir -p "$RUN_DIR" 2>/dev/null && [[ -w $RUN_DIR ]]; }; then
             launch_error "cannot write to the run directory RUN_DIR=$RUN_DIR: choose one you own (e.g. under \$SCRATCH)"
         fi
     fi
-
-    check_data_path "$runtime" "$@"
 
     MASTER_ADDR=${MASTER_ADDR:-$(first_node)}
     [[ -n $MASTER_ADDR ]] || launch_error "cannot tell the first node of the job (SLURM_JOB_NODELIST is empty): set MASTER_ADDR"
