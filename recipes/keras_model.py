@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 # Before TensorFlow loads: Keras 2 (tf-keras), which Horovod's TensorFlow integration needs, and no INFO
-# lines from TensorFlow's C++ side (oneDNN, CPU features) in the training log.
+# lines from TensorFlow's C++ side (CPU features) in the training log. (TensorFlow 2.21 still logs
+# "oneDNN custom operations are on" where the CPU has AVX512_VNNI/BF16 or AMX, at any level.)
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
