@@ -189,7 +189,10 @@ def test_a_second_job_in_the_same_run_directory_is_refused(slurm_cluster, tmp_pa
     """Two jobs writing one RUN_DIR would overwrite each other's checkpoints: while the first trains, a second
     job (and the login-node check) with the same RUN_DIR is refused with one line naming the first; the first
     is untouched. (A requeued job, the same job again, gets its directory back: the time-limit test above.)"""
-    first = submit(slurm_cluster, tmp_path, "-N", "1", "--ntasks-per-node", "1", recipe_args=LONG_RUN)
+    # The first job trains until it is cancelled below: the second job and the check must find it still
+    # running (its 400 steps once ended before them, under load, and the check then judged its checkpoint).
+    first = submit(slurm_cluster, tmp_path, "-N", "1", "--ntasks-per-node", "1",
+                   recipe_args=[*LONG_RUN, "--max-steps", "1000000"])
     try:
         wait_for(lambda: started_training(tmp_path, first), 120, "the first job to train")
         second_dir = tmp_path / "second"
