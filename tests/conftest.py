@@ -326,13 +326,31 @@ def podman_hpc_user(cluster_user) -> ClusterUser:
     return cluster_user
 
 
+PODMAN_HPC_STORE_LOCK = f"/tmp/{CLUSTER_USER}-podman-hpc.lock"
+
+
 @contextlib.contextmanager
 def podman_hpc_store_lock():
-    """Held while a test changes the user's podman-hpc stores (or needs them not to change): the test workers
-    share that user."""
-    with open(f"/tmp/{CLUSTER_USER}-podman-hpc.lock", "w") as lock:
+    """Held while a test changes the user's podman-hpc stores: the test workers share that user, and
+    podman-hpc rewrites the squashed store's images.json in place (a job starting meanwhile may read half a
+    file). Jobs and checks that only read the stores hold it shared (squashed_images below)."""
+    with open(PODMAN_HPC_STORE_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+@pytest.fixture
+def squashed_images(podman_hpc_user):
+    """``squashed_images(*images)``: the cpu images in the user's squashed store (podman_hpc_migrate), which
+    then stays as it is until the test ends (the lock held shared: other tests' jobs run meanwhile, their
+    migrations wait). Returns the user."""
+    with open(PODMAN_HPC_STORE_LOCK, "w") as lock:
+        def migrated(*images: str) -> ClusterUser:
+            fcntl.flock(lock, fcntl.LOCK_UN)  # (a second call: podman_hpc_migrate locks on its own)
+            podman_hpc_migrate(podman_hpc_user, *images)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            return podman_hpc_user
+        yield migrated
 
 
 def podman_hpc_migrate(user: ClusterUser, *images: str) -> None:
@@ -344,8 +362,10 @@ def podman_hpc_migrate(user: ClusterUser, *images: str) -> None:
         for image in images:
             name = f"localhost/hpcml/{image}:cpu"
             image_id = run(["podman", "image", "inspect", "--format", "{{.Id}}", name], env=container_env()).stdout.strip()
-            listed = user.run(["podman-hpc", "images", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}} {{.ReadOnly}}"])
-            assert listed.returncode == 0, listed.stderr
+            # (podman-hpc silences podman's own errors unless asked: --log-level)
+            listed = user.run(["podman-hpc", "--log-level=error", "images", "--no-trunc", "--format",
+                               "{{.ID}} {{.Repository}}:{{.Tag}} {{.ReadOnly}}"])
+            assert listed.returncode == 0, f"podman-hpc images as {user.name}: {listed.stderr}"
             if re.search(rf"^(sha256:)?{image_id} {re.escape(name)} true$", listed.stdout, re.M):
                 continue
             pipe_image_to_user(user, name, "podman-hpc", "load")

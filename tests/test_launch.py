@@ -182,7 +182,8 @@ def test_podman_hpc_command():
     result = launch(CONTAINER_RUNTIME="podman-hpc", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1")
     assert result.returncode == 0, result.stderr
     words = srun_line(result)
-    assert words[3:8] == ["podman-hpc", "run", "--rm", "--network=host", "--ipc=host"]
+    # (podman-hpc's default, --log-level=fatal, would hide why a container did not start)
+    assert words[3:9] == ["podman-hpc", "--log-level=error", "run", "--rm", "--network=host", "--ipc=host"]
     assert "--gpu" in words and "--nccl" in words
     # Rootless: uid 0 inside is the submitting user outside (the image's USER 10001 would be a subordinate
     # uid that can write nothing of theirs and read no squashed image; the podman-hpc matrix cells run it).

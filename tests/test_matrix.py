@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (EVAL, REPO, TINY, build_images, container_env, eval_losses, job_nodes, job_state, losses,
-                      podman_hpc_migrate, podman_load_as_user, read_metrics, recipe_env, run, shifter_pull, step_launches,
+                      podman_load_as_user, read_metrics, recipe_env, run, shifter_pull, step_launches,
                       submit_recipe)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
@@ -229,8 +229,8 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
         # (rootless podman needs what podman-hpc's set-up gives the user: /dev/fuse, host networking)
         user = request.getfixturevalue("cluster_user" if runtime in ("shifter", "none") else "podman_hpc_user")
         work = user.work_dir(tmp_path)
-        if runtime == "podman-hpc":
-            podman_hpc_migrate(user, cell["image"])
+        if runtime == "podman-hpc":  # (the squashed store then unchanged until the job is done)
+            request.getfixturevalue("squashed_images")(cell["image"])
         elif runtime == "podman":  # rootless podman: the image in the user's own store
             podman_load_as_user(user, cell["image"])
     if runtime == "none" and user is not None:  # the site's venvs, as a user's `module load` gives them

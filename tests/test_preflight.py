@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, base_image, container_env, ddp_image, pipe_image_to_user, podman_hpc_migrate,  # noqa: F401
-                      podman_hpc_store_lock, recipe_env, run, shifter_pull)
+from conftest import (REPO, base_image, container_env, ddp_image, pipe_image_to_user,  # noqa: F401
+                      recipe_env, run, shifter_pull)
 
 PREFLIGHT = REPO / "slurm" / "preflight.sh"
 
@@ -90,17 +90,36 @@ def test_under_shifter_the_check_gets_the_image_as_the_job_would(shifter_ddp, cl
 
 
 @pytest.mark.containers
-def test_under_podman_hpc_the_image_must_be_in_the_squashed_store(ddp_image, base_image, podman_hpc_user, tmp_path):
+def test_when_podman_hpc_itself_fails_the_preflight_says_so_not_that_the_image_is_missing(podman_hpc_user, tmp_path):
+    """podman-hpc that cannot list its images (here: a site config whose podman is /usr/bin/false; in a CI
+    run: a shared-run container left behind, "invalid internal status", which podman-hpc's default log level
+    silences) is one line naming that failure and how to inspect it; before, the preflight called the image
+    missing and suggested `podman-hpc migrate`, which fails the same way."""
+    user = podman_hpc_user
+    work = user.work_dir(tmp_path)
+    site = Path(user.env["PODMANHPC_CONFIG_FILE"]).read_text()
+    broken = work / "podman_hpc.yaml"
+    broken.write_text(re.sub(r"(?m)^podman_bin: .*$", 'podman_bin: "/usr/bin/false"', site))
+    result = user.run(["bash", "slurm/preflight.sh", "slurm/ddp.sh"], timeout=300,
+                      env={"CONTAINER_RUNTIME": "podman-hpc", "CONTAINER_IMAGE": "hpcml/ddp:cpu", "RUN_DIR": str(work / "run"),
+                           "PODMANHPC_CONFIG_FILE": str(broken)})
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"launch: error: podman-hpc images failed on {socket.gethostname()} (exit 1, no message): podman-hpc itself fails"
+        " on this node, and every rank would; 'podman-hpc ps -a' shows containers left behind, 'podman-hpc system"
+        " migrate' resets its state"], result.stderr
+    assert not (work / "run").exists()
+
+
+@pytest.mark.containers
+def test_under_podman_hpc_the_image_must_be_in_the_squashed_store(ddp_image, base_image, squashed_images, tmp_path):
     """As a user on a login node, with NERSC's podman-hpc: an image in the squashed store ($SCRATCH/storage,
     all a compute node sees) passes, although `podman-hpc image exists` says it is not there (it never looks
     in that store: the check answered exit 2 for every squashed image before); an image only in the login
     node's local store is refused with the command that squashes it; an image without the recipe's
     framework is refused in one line, not with Python's traceback."""
-    user = podman_hpc_user
-    podman_hpc_migrate(user, "ddp", "base")
-    with podman_hpc_store_lock():  # (no other test loads it into the local store meanwhile)
-        # podman-hpc's blind spot (the full name: a short one also matches any registry's copy in the local store)
-        assert user.run(["podman-hpc", "image", "exists", "localhost/hpcml/ddp:cpu"]).returncode == 1
+    user = squashed_images("ddp", "base")  # (no other test loads them into the local store meanwhile)
+    # podman-hpc's blind spot (the full name: a short one also matches any registry's copy in the local store)
+    assert user.run(["podman-hpc", "image", "exists", "localhost/hpcml/ddp:cpu"]).returncode == 1
     work = user.work_dir(tmp_path)
     check = {"CONTAINER_RUNTIME": "podman-hpc", "RUN_DIR": str(work / "run")}
 

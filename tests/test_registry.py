@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO, TINY, container_env, free_port, run, sbatch_recipe
+from conftest import REPO, TINY, container_env, free_port, podman_hpc_store_lock, run, sbatch_recipe
 
 pytestmark = [pytest.mark.containers, pytest.mark.slurm]
 
@@ -96,32 +96,36 @@ def test_podman_hpc_pull_squashes_the_image_and_a_users_job_runs_from_it(registr
     """As a Perlmutter user would: `make pull-ddp ENGINE=podman-hpc` from their checkout puts the image into
     the squashed store (all a compute node sees) and records it; their job then runs it with no image
     named. (podman-hpc squashes a pulled image by its name as given: with a docker:// transport in front it
-    matched nothing, and the pull left the image unsquashed with exit code 0.)"""
+    matched nothing, and the pull left the image unsquashed with exit code 0.) The store is this test's
+    alone meanwhile: podman-hpc rewrites it in place, and other tests' jobs read it."""
     pushed = make("push-ddp", REGISTRY=registry, TLS_VERIFY="false", ALLOW_DIRTY="1")
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
     user, reference = podman_hpc_user, f"{registry}/hpcml/ddp:cpu"
     work = user.work_dir(tmp_path)
     recorded = {"HPCML_IMAGES_FILE": str(work / "images")}
-    try:
-        pulled = user.run(["make", "--no-print-directory", "pull-ddp", f"REGISTRY={registry}", "TLS_VERIFY=false",
-                           "ENGINE=podman-hpc"], env=recorded, timeout=900)
-        assert pulled.returncode == 0, pulled.stdout + pulled.stderr
-        assert f"{reference} is in podman-hpc's squashed store" in pulled.stderr, pulled.stderr
-        assert (work / "images").read_text() == f"ddp={reference}\n"
-        user.run(["podman-hpc", "rmi", reference], timeout=120)  # the login node's copy: compute nodes never see it
-        squashed = user.run(["bash", "slurm/lib/squashed_image.sh", reference])
-        assert squashed.returncode == 0, f"{reference} is not in the squashed store after make pull-ddp"
+    with podman_hpc_store_lock():
+        try:
+            pulled = user.run(["make", "--no-print-directory", "pull-ddp", f"REGISTRY={registry}", "TLS_VERIFY=false",
+                               "ENGINE=podman-hpc"], env=recorded, timeout=900)
+            assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+            assert f"{reference} is in podman-hpc's squashed store" in pulled.stderr, pulled.stderr
+            assert (work / "images").read_text() == f"ddp={reference}\n"
+            # the login node's copy: compute nodes never see it (nor may the job here)
+            removed = user.run(["podman-hpc", "--log-level=error", "rmi", reference], timeout=120)
+            assert removed.returncode == 0, removed.stdout + removed.stderr
+            squashed = user.run(["bash", "slurm/lib/squashed_image.sh", reference])
+            assert squashed.returncode == 0, f"{reference} is not in the squashed store after make pull-ddp"
 
-        code, state, log = sbatch_recipe(slurm_cluster, work, "ddp", "-N", "2", "--ntasks-per-node", "1", user=user,
-                                         recipe_args=[*TINY, "--max-steps", "3", "--global-batch", "4", "--checkpoint-every", "0"],
-                                         CONTAINER_RUNTIME="podman-hpc", **recorded)  # no CONTAINER_IMAGE
-        assert (code, state) == (0, "COMPLETED"), log
-        assert f"image=docker:{reference} (from {work / 'images'})" in log
-        metrics = json.loads((work / "run" / "metrics.json").read_text())
-        assert metrics["world_size"] == 2 and metrics["container"] == "podman"
-        assert (work / "run" / "metrics.json").stat().st_uid == user.uid
-    finally:
-        user.run(["podman-hpc", "rmsqi", reference], timeout=120)  # the name only: the image is also hpcml/ddp:cpu
+            code, state, log = sbatch_recipe(slurm_cluster, work, "ddp", "-N", "2", "--ntasks-per-node", "1", user=user,
+                                             recipe_args=[*TINY, "--max-steps", "3", "--global-batch", "4", "--checkpoint-every", "0"],
+                                             CONTAINER_RUNTIME="podman-hpc", **recorded)  # no CONTAINER_IMAGE
+            assert (code, state) == (0, "COMPLETED"), log
+            assert f"image=docker:{reference} (from {work / 'images'})" in log
+            metrics = json.loads((work / "run" / "metrics.json").read_text())
+            assert metrics["world_size"] == 2 and metrics["container"] == "podman"
+            assert (work / "run" / "metrics.json").stat().st_uid == user.uid
+        finally:
+            user.run(["podman-hpc", "rmsqi", reference], timeout=120)  # the name only: the image is also hpcml/ddp:cpu
 
 
 def test_an_immutable_tag_is_never_overwritten(registry, base_image, tmp_path):

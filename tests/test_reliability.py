@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, container_env, copy_checkout, job_nodes, job_state,
-                      losses, podman_hpc_migrate, read_metrics, recipe_env, run, run_single, sbatch_recipe, shifter_pull,
+                      losses, read_metrics, recipe_env, run, run_single, sbatch_recipe, shifter_pull,
                       submit_recipe)
 
 pytestmark = pytest.mark.slurm
@@ -329,10 +329,10 @@ def test_time_limit_signal_reaches_the_ranks_in_perlmutters_runtimes(slurm_clust
     container per rank: `podman-hpc run` execs podman, which passes signals to the rank. `podman-hpc
     shared-run`, one container per node with the ranks exec'd into it, does not: its Python wrapper dies
     of the signal and the ranks never see it, measured here; the launcher therefore uses `run`.)"""
-    user = request.getfixturevalue("podman_hpc_user" if runtime == "podman-hpc" else "cluster_user")
     if runtime == "podman-hpc":
-        podman_hpc_migrate(user, "ddp")
+        user = request.getfixturevalue("squashed_images")("ddp")
     else:
+        user = request.getfixturevalue("cluster_user")
         shifter_pull("ddp")
     work = user.work_dir(tmp_path)
     text, step, nodes = signal_time_limit_and_wait_for_requeue(slurm_cluster, work, "ddp", 4000, tuple(TINY[2:8]), user=user,

@@ -150,9 +150,18 @@ choose_image() {
     fi
     # podman-hpc: a compute node sees the squashed store ($SCRATCH/storage) only, never the login node's
     # local one; `make pull-IMAGE ENGINE=podman-hpc` and `podman-hpc migrate` put images there.
-    if [[ $runtime == podman-hpc && ${LAUNCH_DRY_RUN:-0} != 1 ]] && ! bash "$REPO_DIR/slurm/lib/squashed_image.sh" "$image"; then
-        launch_error "image '${image#docker:}' is not in podman-hpc's squashed store (${SQUASH_DIR:-${SCRATCH:-\$SCRATCH}/storage}), the" \
-            "only one compute nodes see: make pull-$family ENGINE=podman-hpc REGISTRY=..., or podman-hpc migrate ${image#docker:}"
+    if [[ $runtime == podman-hpc && ${LAUNCH_DRY_RUN:-0} != 1 ]]; then
+        local found=0 failure
+        failure=$(bash "$REPO_DIR/slurm/lib/squashed_image.sh" "$image" 2>&1) || found=$?
+        if ((found == 1)); then
+            launch_error "image '${image#docker:}' is not in podman-hpc's squashed store (${SQUASH_DIR:-${SCRATCH:-\$SCRATCH}/storage}), the" \
+                "only one compute nodes see: make pull-$family ENGINE=podman-hpc REGISTRY=..., or podman-hpc migrate ${image#docker:}"
+        elif ((found != 0)); then
+            # Its state, not the image (seen after a killed shared-run left a container behind:
+            # "invalid internal status, try resetting the pause process").
+            launch_error "${failure//$'\n'/ }: podman-hpc itself fails on this node, and every rank would;" \
+                "'podman-hpc ps -a' shows containers left behind, 'podman-hpc system migrate' resets its state"
+        fi
     fi
     # Shifter starts only images its gateway has pulled (an ID was resolved at submission already).
     if [[ $runtime == shifter && $image == docker:* && ${LAUNCH_DRY_RUN:-0} != 1 ]] &&
@@ -217,7 +226,13 @@ build_command() {
         [[ -n ${SLURM_SPANK_SHIFTER_MODULE:-} ]] && cmd+=("--module=$SLURM_SPANK_SHIFTER_MODULE")
         ;;
     podman | podman-hpc)
-        cmd+=("$runtime" run --rm --network=host --ipc=host)
+        if [[ $runtime == podman-hpc ]]; then
+            # (podman-hpc runs podman with --log-level=fatal unless told: a container that cannot start
+            # would end the rank with exit code 1 and not a word in the job log)
+            cmd+=(podman-hpc --log-level=error run --rm --network=host --ipc=host)
+        else
+            cmd+=(podman run --rm --network=host --ipc=host)
+        fi
         if [[ $runtime == podman-hpc ]]; then
             # podman-hpc adds the GPUs and the Slingshot/NCCL libraries (its gpu and nccl modules). It runs
             # rootless: uid 0 in the container is the submitting user outside, any other uid (the image's

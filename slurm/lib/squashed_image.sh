@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Exit 0 when podman-hpc's squashed image store ($SCRATCH/storage: the only store a Perlmutter compute node
-# sees) holds the image REF; 1 when it does not.
+# sees) holds the image REF; 1 when it does not; 2, with podman's error on stderr, when podman-hpc cannot
+# list its images at all (not a missing image: "podman-hpc migrate" would not help).
 #
 #   slurm/lib/squashed_image.sh REF        # e.g. hpcml/ddp:cpu, registry.nersc.gov/proj/hpcml/ddp:cuda
 #
@@ -21,7 +22,16 @@ first=${ref%%/*}
 if [[ $ref != */* ]] || ! [[ $first == *.* || $first == *:* || $first == localhost ]]; then
     names+=("localhost/$ref" "docker.io/$ref" "docker.io/library/$ref")
 fi
-listed=$(podman-hpc images --format '{{.Repository}}:{{.Tag}} {{.ReadOnly}}') || exit 1
+# podman-hpc passes --log-level=fatal to podman unless told otherwise: a failure would say nothing.
+errors=$(mktemp)
+trap 'rm -f "$errors"' EXIT
+status=0
+listed=$(podman-hpc --log-level=error images --format '{{.Repository}}:{{.Tag}} {{.ReadOnly}}' 2>"$errors") || status=$?
+if ((status != 0)); then
+    message=$(tr '\n' ' ' <"$errors" | sed 's/ *$//')
+    echo "podman-hpc images failed on $(hostname) (exit $status${message:+: $message}${message:-, no message})" >&2
+    exit 2
+fi
 for name in "${names[@]}"; do
     grep -qxF "$name true" <<<"$listed" && exit 0
 done
