@@ -226,13 +226,10 @@ build_command() {
         [[ -n ${SLURM_SPANK_SHIFTER_MODULE:-} ]] && cmd+=("--module=$SLURM_SPANK_SHIFTER_MODULE")
         ;;
     podman | podman-hpc)
-        if [[ $runtime == podman-hpc ]]; then
-            # (podman-hpc runs podman with --log-level=fatal unless told: a container that cannot start
-            # would end the rank with exit code 1 and not a word in the job log)
-            cmd+=(podman-hpc --log-level=error run --rm --network=host --ipc=host)
-        else
-            cmd+=(podman run --rm --network=host --ipc=host)
-        fi
+        # (podman-hpc runs podman with --log-level=fatal unless told: a container that cannot start would
+        # end the rank with exit code 1 and not a word in the job log)
+        [[ $runtime == podman-hpc ]] && cmd+=(podman-hpc --log-level=error) || cmd+=(podman)
+        cmd+=(run --rm --network=host --ipc=host)
         if [[ $runtime == podman-hpc ]]; then
             # podman-hpc adds the GPUs and the Slingshot/NCCL libraries (its gpu and nccl modules). It runs
             # rootless: uid 0 in the container is the submitting user outside, any other uid (the image's
