@@ -16,8 +16,11 @@ NPROC ?= 2
 TORCH_INDEX ?=
 # Images (containers/images.sh documents FLAVOR, ENGINE, REGISTRY, TLS_VERIFY, WHEEL_DIR, CA_BUNDLE).
 IMAGES := ddp megatron deepspeed accelerate horovod
-FLAVOR ?= cpu
+# FLAVOR: cpu or cuda. Unset, images.sh builds and pushes cpu, and pulls cuda for Shifter and podman-hpc
+# (GPU nodes), so it is passed on only when the user gives it.
+ifdef FLAVOR
 export FLAVOR
+endif
 IMAGE_TOOL := bash containers/images.sh
 # Test workers (pytest-xdist; one test file per worker at a time, tests in a random order whose seed the
 # run prints). PYTEST_WORKERS=0 runs in this process; PYTEST_ARGS adds options, e.g.

@@ -13,7 +13,9 @@
 # Names: hpcml/IMAGE:FLAVOR locally (podman stores them as localhost/hpcml/IMAGE:FLAVOR).
 #
 # Variables:
-#   FLAVOR       cpu (default; runs anywhere, what CI tests) | cuda (NGC bases; build on an x86_64 host
+#   FLAVOR       cpu (default of build and push; runs anywhere, what CI tests) | cuda (NGC bases; build on
+#                an x86_64 host that reaches nvcr.io). `pull` with ENGINE=shifter or podman-hpc defaults to
+#                cuda: those pull for GPU nodes, where the cpu image would train on the CPU
 #                that reaches nvcr.io)
 #   ENGINE       podman-hpc | podman | docker | shifter (pull only); default: the first one installed
 #   REGISTRY     where push/pull go, e.g. registry.nersc.gov/myproject or 127.0.0.1:5000
@@ -28,6 +30,7 @@ set -euo pipefail
 
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CONTAINERS_DIR=$REPO_DIR/containers
+FLAVOR_GIVEN=${FLAVOR:+1}
 FLAVOR=${FLAVOR:-cpu}
 IMAGE_REPO=${IMAGE_REPO:-hpcml}
 LEAVES="ddp megatron deepspeed accelerate horovod"
@@ -344,9 +347,11 @@ cmd_pull() {
     (($#)) || die "name the images to pull: $LEAVES"
     check_known "$@"
     registry_ref "$1" >/dev/null
-    local image ref
+    local image ref flavor=$FLAVOR
+    # Shifter and podman-hpc pull for the GPU nodes of an HPC center: the GPU flavor, unless asked otherwise.
+    [[ -z $FLAVOR_GIVEN && ($ENGINE == shifter || $ENGINE == podman-hpc) ]] && flavor=cuda
     for image in "$@"; do
-        ref=$(registry_ref "$image" "${TAG:-$FLAVOR}")
+        ref=$(registry_ref "$image" "${TAG:-$flavor}")
         say "pulling $ref with $ENGINE"
         case $ENGINE in
         shifter) shifterimg pull "docker:$ref" ;;

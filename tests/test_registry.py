@@ -106,7 +106,7 @@ def test_podman_hpc_pull_squashes_the_image_and_a_users_job_runs_from_it(registr
     with podman_hpc_store_lock():
         try:
             pulled = user.run(["make", "--no-print-directory", "pull-ddp", f"REGISTRY={registry}", "TLS_VERIFY=false",
-                               "ENGINE=podman-hpc"], env=recorded, timeout=900)
+                               "ENGINE=podman-hpc", "FLAVOR=cpu"], env=recorded, timeout=900)
             assert pulled.returncode == 0, pulled.stdout + pulled.stderr
             assert f"{reference} is in podman-hpc's squashed store" in pulled.stderr, pulled.stderr
             assert (work / "images").read_text() == f"ddp={reference}\n"
@@ -126,6 +126,34 @@ def test_podman_hpc_pull_squashes_the_image_and_a_users_job_runs_from_it(registr
             assert (work / "run" / "metrics.json").stat().st_uid == user.uid
         finally:
             user.run(["podman-hpc", "rmsqi", reference], timeout=120)  # the name only: the image is also hpcml/ddp:cpu
+
+
+def test_pulling_for_shifter_takes_the_gpu_flavor_unless_told(ddp_image, tmp_path):
+    """The README's `make pull-ddp REGISTRY=... ENGINE=shifter` pulls and records hpcml/ddp:cuda: Shifter (and
+    podman-hpc) pull for GPU nodes, where the cpu image would train on the CPU (it pulled :cpu before).
+    FLAVOR=cpu still pulls the cpu image. The local image gateway pulls from this machine's podman store, where
+    the cpu image stands in for the registry's cuda one under its name."""
+    registry = "registry.nersc.gov/myproject"
+    shifter_path = f"{REPO / 'tests' / 'cluster' / 'shifter'}:{container_env()['PATH']}"
+    for flavor in ("cuda", "cpu"):
+        tagged = run(["podman", "tag", "localhost/hpcml/ddp:cpu", f"{registry}/hpcml/ddp:{flavor}"], env=container_env())
+        assert tagged.returncode == 0, tagged.stderr
+    try:
+        images = tmp_path / "images"
+        env = {"HPCML_IMAGES_FILE": str(images), "PATH": shifter_path,
+               "SHIFTER_GATEWAY_DIR": str(tmp_path / "gateway")}
+        pulled = make("pull-ddp", f"REGISTRY={registry}", "ENGINE=shifter", **env)
+        assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+        assert f"pulling {registry}/hpcml/ddp:cuda with shifter" in pulled.stderr, pulled.stderr
+        assert images.read_text() == f"ddp={registry}/hpcml/ddp:cuda\n"
+        pulled = make("pull-ddp", f"REGISTRY={registry}", "ENGINE=shifter", "FLAVOR=cpu", **env)
+        assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+        assert images.read_text() == f"ddp={registry}/hpcml/ddp:cpu\n"
+    finally:
+        run([str(REPO / "tests" / "cluster" / "shifter" / "shifterimg"), "release-all"],
+            env={**container_env(), "SHIFTER_GATEWAY_DIR": str(tmp_path / "gateway")})
+        for flavor in ("cuda", "cpu"):
+            run(["podman", "untag", "localhost/hpcml/ddp:cpu", f"{registry}/hpcml/ddp:{flavor}"], env=container_env())
 
 
 def test_an_immutable_tag_is_never_overwritten(registry, base_image, tmp_path):
