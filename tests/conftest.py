@@ -27,6 +27,12 @@ SHIFTER_GATEWAY = CLUSTER_DIR / "shifter"
 CLUSTER_USER = "hpcml-user"  # jobs run as this normal user where Perlmutter would run them as the user
 
 # Small and fast on 2 CPU cores; every run in the tests uses these unless it says otherwise.
+# This machine has no GPU, and the local cluster's nodes declare Perlmutter's 4 GPUs per node with placeholder
+# device files: a job that Slurm gave GPUs would refuse to train on the CPU (recipes/harness/launch.py:
+# check_gpus_visible), and slurm/preflight.sh refuses a CPU PyTorch for a file that asks for GPUs. The tests
+# say so, as a user would for a debugging run on the CPU; a test of the refusal sets it to "".
+PLACEHOLDER_GPUS = {"HPCML_ALLOW_CPU": "1"}
+
 TINY = ["--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--log-every", "1"]
 
 
@@ -40,7 +46,7 @@ def recipe_env(**extra: str) -> dict[str, str]:
     """Environment for recipe subprocesses: this interpreter first on PATH, one thread per rank."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **PLACEHOLDER_GPUS)
     env.update(extra)
     return env
 
@@ -122,7 +128,8 @@ def slurm_cluster() -> dict[str, str]:
     # daemon inherited it, that worker would wait forever.
     free = run(["flock", "-w", "60", f"{CLUSTER_DIR}.lock", "true"], timeout=90)
     assert free.returncode == 0, f"{CLUSTER_DIR}.lock is still held 60 s after the cluster started (fuser -v shows by whom)"
-    return {"SLURM_CONF": str(CLUSTER_DIR / "etc" / "slurm.conf")}
+    return {"SLURM_CONF": str(CLUSTER_DIR / "etc" / "slurm.conf"), **PLACEHOLDER_GPUS}
+
 
 
 def container_env(**extra: str) -> dict[str, str]:
@@ -241,7 +248,7 @@ class ClusterUser:
         self.as_user = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", "--"]
         self.env = {"HOME": str(self.home), "USER": name, "LOGNAME": name, "LANG": "C.UTF-8",
                     "PATH": f"{repo / SHIFTER_STAND_IN}:/usr/local/bin:/usr/bin:/bin",
-                    "SHIFTER_GATEWAY_DIR": str(SHIFTER_GATEWAY)}
+                    "SHIFTER_GATEWAY_DIR": str(SHIFTER_GATEWAY), **PLACEHOLDER_GPUS}
 
     def work_dir(self, tmp_path: Path) -> Path:
         """A directory of the user's for one test (pytest's own tmp_path is root's, mode 700)."""

@@ -203,3 +203,69 @@ def test_only_a_collective_that_lost_its_peer_is_named_a_collective_failure():
         assert failed_collective_rank(dist.DistBackendError("NCCL communicator was aborted on rank 0")) == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_a_job_given_gpus_refuses_a_cpu_pytorch_unless_told():
+    """Slurm gave the job GPUs and this PyTorch (the CPU build here, as in a cpu image) cannot use them: one
+    ConfigError naming the variable and the fix; HPCML_ALLOW_CPU=1 lets it train on the CPU; no GPUs given
+    (or zero), nothing to check. (A CUDA build that sees no device is the GPU-only half of the check.)"""
+    from harness.launch import check_gpus_visible, slurm_gave_gpus
+
+    assert torch.version.cuda is None
+    for given in ({"SLURM_GPUS_ON_NODE": "4"}, {"SLURM_JOB_GPUS": "0,1,2,3"}, {"SLURM_GPUS_PER_NODE": "a100:4"}):
+        for build_only in (False, True):
+            with pytest.raises(harness.ConfigError) as refused:
+                check_gpus_visible("torch", build_only=build_only, environ=given)
+            name, value = next(iter(given.items()))
+            assert str(refused.value).startswith(f"Slurm gave this job GPUs ({name}={value}) but PyTorch "
+                                                 f"{torch.__version__} is a CPU build: run the cuda image")
+            assert str(refused.value).endswith("HPCML_ALLOW_CPU=1 trains on the CPU anyway")
+        check_gpus_visible("torch", environ={**given, "HPCML_ALLOW_CPU": "1"})
+    for nothing in ({}, {"SLURM_GPUS_ON_NODE": "0"}, {"SLURM_GPUS_PER_NODE": "gpu:0"}, {"SLURM_JOB_GPUS": ""}):
+        assert slurm_gave_gpus(nothing) is None
+        check_gpus_visible("torch", environ=nothing)
+
+
+def test_a_collective_that_fails_leaves_the_flight_recorder_naming_it(tmp_path):
+    """Gloo has no watchdog that dumps the Flight Recorder on a timeout (NCCL's has: TORCH_NCCL_DUMP_ON_TIMEOUT),
+    so the rank whose collective failed writes it: TORCH_FR_DUMP_TEMP_FILE<rank>, a pickle of its last
+    collectives whose last entry is the one that hung, and the failure line names it."""
+    script = tmp_path / "hang.py"
+    script.write_text(f"""
+import datetime, os, sys, time
+sys.path.insert(0, {str(REPO / 'recipes')!r})
+import torch, torch.distributed as dist
+from harness.launch import exit_on_collective_failure
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+values = torch.ones(3)
+dist.all_reduce(values)
+if dist.get_rank() == 1:
+    time.sleep(20)  # (stopped: the other rank's next collective times out)
+    os._exit(0)
+try:
+    dist.broadcast(values, src=0)
+    dist.all_reduce(values)
+except RuntimeError as error:
+    exit_on_collective_failure("test", error, 0)
+""")
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "100", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "rank_"),
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                             f"--master_port={_free_port()}", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("[test] error: ")]
+    assert len(lines) == 1, result.stderr
+    trace = tmp_path / "fr" / "rank_0"
+    assert lines[0].endswith(f"(its last collective: gloo:broadcast #2; flight recorder: {trace})"), lines[0]
+    import pickle
+
+    entries = pickle.loads(trace.read_bytes())["entries"]
+    assert [entry["profiling_name"] for entry in entries] == ["gloo:all_reduce", "gloo:broadcast"]
+    assert not (tmp_path / "fr" / "rank_1").exists()  # the stopped rank wrote nothing
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -197,6 +198,10 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
         from .metrics import check_tensorboard_writer
 
         check_tensorboard_writer()
+    from .launch import check_gpus_visible
+
+    # slurm/preflight.sh (job id 0) runs on a login node, which may have no GPU: there, the build only.
+    check_gpus_visible(framework, build_only=args.preflight is not None and os.environ.get("SLURM_JOB_ID") == "0")
 
 
 def tensorboard_dir(args: argparse.Namespace) -> Path | None:

@@ -3,12 +3,14 @@
 - ``detect_dist_env``: the rank layout, from torchrun's variables or from Slurm's when ``srun`` started the
   recipe directly (rendezvous host = first node of the job, never "localhost").
 - ``check_expected_world_size``: refuse a world other than the one slurm/lib/launch.sh started.
+- ``check_gpus_visible``: refuse to train on the CPU when Slurm gave the job GPUs.
 - ``setup_torch_distributed``: device and backend (NCCL on CUDA, gloo on CPU) and the process group.
 - ``leave_process_group``: the teardown at the end of a run.
 - ``all_hostnames``, ``mean_across_ranks``, ``max_difference_across_ranks``, ``max_across_ranks``: the few
   collectives every PyTorch recipe needs for its logs, its stop agreement and its end-of-run proof.
 - ``failed_collective_rank`` / ``exit_on_collective_failure``: a collective that failed (another rank died
-  or hung) becomes one line naming this rank and host, and exit code 4.
+  or hung) becomes one line naming this rank and host, and exit code 4, after this rank's Flight Recorder
+  (``dump_flight_recorder``) is written where the launcher asked (TORCH_FR_DUMP_TEMP_FILE).
 
 PyTorch is imported inside the functions that use it: the TensorFlow recipes import this module too.
 """
@@ -142,6 +144,68 @@ def check_expected_world_size(world_size: int, environ: dict[str, str] | None = 
         )
 
 
+# Slurm's variables that say the job was given GPUs (per node, the job's devices, --gpus-per-node).
+SLURM_GPU_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_PER_NODE")
+ALLOW_CPU_ENV = "HPCML_ALLOW_CPU"
+
+
+def slurm_gave_gpus(environ: dict[str, str] | None = None) -> str | None:
+    """``NAME=VALUE`` of the first Slurm variable that gives this job GPUs, None when none does."""
+    env = os.environ if environ is None else environ
+    for name in SLURM_GPU_VARIABLES:
+        value = env.get(name, "").strip()
+        count = value.rpartition(":")[2]  # --gpus-per-node=a100:4
+        if value and not (count.isdigit() and int(count) == 0):
+            return f"{name}={value}"
+    return None
+
+
+def check_gpus_visible(framework: str = "torch", build_only: bool = False, environ: dict[str, str] | None = None) -> None:
+    """A job that Slurm gave GPUs must train on them. Without this, a CPU image, a container without its GPU
+    devices or a CUDA that failed to start all "train" at CPU speed on GPU nodes, and exit 0.
+
+    ``build_only``: ask only whether the framework is a CUDA build (slurm/preflight.sh on a login node, which
+    may have no GPU). HPCML_ALLOW_CPU=1 trains on the CPU anyway (a debugging run, or a cluster whose GPUs
+    are placeholders, as the local test cluster's are).
+    """
+    env = os.environ if environ is None else environ
+    given = slurm_gave_gpus(env)
+    if not given or env.get(ALLOW_CPU_ENV) == "1":
+        return
+    allow = f"{ALLOW_CPU_ENV}=1 trains on the CPU anyway"
+    image = "run the cuda image (make pull-IMAGE ENGINE=shifter or podman-hpc pulls it)"
+    if framework == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.test.is_built_with_cuda():
+            raise ConfigError(f"Slurm gave this job GPUs ({given}) but TensorFlow {tf.__version__} is a CPU build: "
+                              f"{image}; {allow}")
+        if build_only or tf.config.list_physical_devices("GPU"):
+            return
+        cuda_error = "TensorFlow lists no GPU"
+    else:
+        import torch
+
+        if torch.version.cuda is None:
+            raise ConfigError(f"Slurm gave this job GPUs ({given}) but PyTorch {torch.__version__} is a CPU build: "
+                              f"{image} or a CUDA PyTorch; {allow}")
+        if build_only or torch.cuda.is_available():
+            return
+        try:  # CUDA's own reason ("Found no NVIDIA driver on your system", ...)
+            torch.cuda.init()
+            cuda_error = "no CUDA device"
+        except Exception as error:  # noqa: BLE001 (any failure of CUDA's start is the reason)
+            cuda_error = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    if os.path.exists("/run/.containerenv"):
+        cause = "the podman container has no GPU devices: podman-hpc needs --gpu, podman --device nvidia.com/gpu=all"
+    elif env.get("SHIFTER_RUNTIME"):
+        cause = "Shifter needs the gpu module: #SBATCH --module=gpu,nccl-plugin"
+    else:
+        cause = "check nvidia-smi on the node"
+    raise ConfigError(f"Slurm gave this job GPUs ({given}) but this rank sees none ({cuda_error}; "
+                      f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '(unset)')}): {cause}; {allow}")
+
+
 GPU_ORDER_ENV = "HPCML_GPU_ORDER"
 
 
@@ -197,6 +261,7 @@ def setup_torch_distributed(env: DistEnv, timeout_s: float, always_group: bool =
     if os.environ.get("SLURM_JOB_ID"):  # in a job's log: where each rank runs, so a bad binding shows
         print(f"[launch] rank {env.rank} (local rank {env.local_rank}) on {socket.gethostname()}: "
               f"cpus {cpu_list(os.sched_getaffinity(0))}, device {device}", flush=True)
+
     if env.world_size > 1:
         dist.init_process_group(
             backend,
@@ -212,6 +277,35 @@ def setup_torch_distributed(env: DistEnv, timeout_s: float, always_group: bool =
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=device if backend == "nccl" else None)  # (else barrier() warns on GPU)
     return device, backend
+
+
+def dump_flight_recorder() -> tuple[str, str] | None:
+    """This rank's Flight Recorder (its last collectives, the one that failed among them) to
+    TORCH_FR_DUMP_TEMP_FILE<rank>, as NCCL's watchdog writes it on a timeout; gloo has no such watchdog, so a
+    rank whose collective failed writes its own. Returns the file and its last collective ("gloo:all_reduce
+    #12"), or None (not asked for, or nothing to dump)."""
+    import pickle
+
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    torch_dist = sys.modules.get("torch.distributed")
+    if not prefix or torch_dist is None or not torch_dist.is_initialized():
+        return None
+    path = f"{prefix}{torch_dist.get_rank()}"
+    try:
+        if not os.path.exists(path):  # (else NCCL's watchdog was first)
+            from torch._C._distributed_c10d import _dump_fr_trace
+
+            trace = _dump_fr_trace(True, True, False)  # collectives, stack traces, finished ones too
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path + ".tmp", "wb") as file:
+                file.write(trace)
+            os.replace(path + ".tmp", path)
+        with open(path, "rb") as file:
+            entries = pickle.load(file).get("entries") or [{}]
+    except (ImportError, RuntimeError, OSError, pickle.UnpicklingError, AttributeError):
+        return None  # evidence is a bonus here: the rank is failing already, and says why
+    last = entries[-1]
+    return path, f"{last.get('profiling_name', '?')} #{last.get('collective_seq_id', '?')}"
 
 
 def leave_process_group() -> None:
@@ -318,6 +412,8 @@ def exit_on_collective_failure(recipe: str, error: BaseException, rank: int | st
     is the one that died (srun names it), or the one that is missing from these lines.
     """
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    recorded = dump_flight_recorder()
+    evidence = f" (its last collective: {recorded[1]}; flight recorder: {recorded[0]})" if recorded else ""
     stderr_line(f"[{recipe}] error: rank {rank} on {socket.gethostname()}: a collective failed ({first_line[:200]}): "
-                "another rank died, hung or was stopped; the job ends here")
+                f"another rank died, hung or was stopped; the job ends here{evidence}")
     sys.exit(4)
