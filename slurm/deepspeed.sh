@@ -40,9 +40,8 @@ source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh"
 
 # DeepSpeed JIT-compiles missing ops into TORCH_EXTENSIONS_DIR: node-local disk, not a shared home
 # directory, whose file locks hang on NFS/Lustre, and one per user (the image sets none: under Shifter
-# the image's environment would win over this one).
+# the image's environment would win over this one). (Triton's cache: slurm/lib/launch.sh, for every recipe.)
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions-$(id -u)}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-$(id -u)}
 
 RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/deepspeed-$SLURM_JOB_ID}
 launch_recipe recipes/deepspeed/train.py --out-dir "$RUN_DIR" "$@"

@@ -56,7 +56,8 @@ def test_shifter_runs_the_jobs_image_by_its_id():
     result = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", SLURM_SPANK_SHIFTER_IMAGE=IMAGE_ID,
                     SLURM_SPANK_SHIFTER_IMAGETYPE="id", SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin")
     assert result.returncode == 0, result.stderr
-    assert srun_line(result)[:6] == ["srun", "-u", "--kill-on-bad-exit=1", "shifter", "--module=gpu,nccl-plugin", "python3"]
+    words = without_settings(srun_line(result))
+    assert words[:6] == ["srun", "-u", "--kill-on-bad-exit=1", "shifter", "--module=gpu,nccl-plugin", "python3"]
     assert f"image=id:{IMAGE_ID} (from the job's --image)" in result.stdout
 
 
@@ -105,7 +106,82 @@ def test_shifter_explicit_image_and_modules():
     assert srun_line(result)[3:6] == ["shifter", "--image=docker:me/ddp:v1", "--module=gpu,nccl-plugin"]
     without_modules = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1")
     assert without_modules.returncode == 0, without_modules.stderr
-    assert srun_line(without_modules)[3:6] == ["shifter", "--image=docker:me/ddp:v1", "python3"]
+    assert without_settings(srun_line(without_modules))[3:6] == ["shifter", "--image=docker:me/ddp:v1", "python3"]
+
+
+def without_settings(words: list[str]) -> list[str]:
+    """A Shifter command without the launcher's --env=NAME=VALUE settings."""
+    return [word for word in words if not word.startswith("--env=")]
+
+
+def shifter_settings(words: list[str]) -> dict[str, str]:
+    return dict(word.removeprefix("--env=").split("=", 1) for word in words if word.startswith("--env="))
+
+
+# HPE's Slingshot settings for NCCL (its application note "Running NCCL-Based Applications"), the site plugin's
+# file, the Flight Recorder, the image's own packages, and torch.compile's cache on node-local disk.
+LAUNCHER_SETTINGS = {
+    "FI_MR_CACHE_MONITOR": "userfaultfd", "FI_CXI_DISABLE_HOST_REGISTER": "1", "FI_CXI_DEFAULT_CQ_SIZE": "131072",
+    "FI_CXI_RX_MATCH_MODE": "hybrid", "FI_CXI_RDZV_THRESHOLD": "0", "FI_CXI_RDZV_GET_MIN": "0",
+    "FI_CXI_RDZV_EAGER_SIZE": "0", "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_SOCKET_IFNAME": "hsn", "NCCL_CROSS_NIC": "1",
+    "NCCL_NET": "AWS Libfabric", "NCCL_NET_PLUGIN": "libnccl-net.so", "NCCL_DEBUG": "WARN",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_BUFFER_SIZE": "2000",
+    "PYTHONNOUSERSITE": "1", "TRITON_CACHE_DIR": f"/tmp/triton-{os.getuid()}",
+}
+
+
+def test_the_launchers_settings_are_named_in_the_shifter_command(tmp_path):
+    """Under Shifter the image's own environment wins over the job's for every variable the image sets (NVIDIA's
+    recent images set NCCL_NET_PLUGIN, and NCCL then never loads the site's libnccl-net.so): the launcher
+    names its settings with --env. A user's own value wins over the launcher's default. The host's PYTHONPATH
+    and PYTHONUSERBASE stay outside (they would shadow the image's packages), unless CONTAINER_PYTHONPATH."""
+    job = dict(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1", RUN_DIR=str(tmp_path / "run"))
+    result = launch(**job, PYTHONPATH="/home/me/lib", PYTHONUSERBASE="/home/me/.local", NCCL_DEBUG="INFO")
+    assert result.returncode == 0, result.stderr
+    settings = shifter_settings(srun_line(result))
+    expected = {**LAUNCHER_SETTINGS, "NCCL_DEBUG": "INFO",
+                "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "run" / "flight_recorder" / "rank_")}
+    assert {name: settings.get(name) for name in expected} == expected
+    assert "PYTHONPATH" not in settings and "PYTHONUSERBASE" not in settings
+    assert "NCCL_NET=AWS Libfabric NCCL_NET_PLUGIN=libnccl-net.so NCCL_DEBUG=INFO" in result.stdout
+    asked = launch(**job, PYTHONPATH="/home/me/lib", CONTAINER_PYTHONPATH="/global/common/software/me/lib")
+    assert shifter_settings(srun_line(asked))["PYTHONPATH"] == "/global/common/software/me/lib"
+    # Shifter refuses --env=NAME= ("Improperly formatted environment variable"): an empty one stays out
+    empty = launch(**job, NCCL_IB_HCA="", NCCL_ALGO="Ring")
+    assert "NCCL_IB_HCA" not in shifter_settings(srun_line(empty)) and shifter_settings(srun_line(empty))["NCCL_ALGO"] == "Ring"
+
+
+def test_podman_takes_the_launchers_settings_and_podman_hpc_the_slingshot_devices(tmp_path):
+    """podman passes the launcher's settings from the step's environment (-e NAME and prefixes, which win over
+    the image's ENV); the host's PYTHONPATH is not among them. podman-hpc also gets the node's Slingshot NICs
+    (/dev/cxi*): NERSC's nccl module binds libfabric and libcxi, not the devices."""
+    job = dict(LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1", RUN_DIR=str(tmp_path / "run"), PYTHONPATH="/home/me/lib")
+    for runtime in ("podman", "podman-hpc"):
+        words = srun_line(launch(**job, CONTAINER_RUNTIME=runtime, HPCML_CXI_DEVICES="/dev/cxi0 /dev/cxi1"))
+        passed = [words[i + 1] for i, word in enumerate(words) if word == "-e"]
+        for name in ("NCCL_*", "FI_*", "TORCH_NCCL_*", "TORCH_FR_*", "PYTHONNOUSERSITE", "TRITON_CACHE_DIR"):
+            assert name in passed, (name, passed)
+        assert not any(name.startswith("PYTHONPATH") for name in passed)
+        devices = [word for word in words if word.startswith("--device=")]
+        assert devices == (["--device=/dev/cxi0", "--device=/dev/cxi1"] if runtime == "podman-hpc" else []), words
+    # this machine has no Slingshot NIC: none by default
+    words = srun_line(launch(**job, CONTAINER_RUNTIME="podman-hpc"))
+    assert not [word for word in words if word.startswith("--device=")]
+    words = srun_line(launch(**job, CONTAINER_RUNTIME="podman", CONTAINER_PYTHONPATH="/opt/mine"))
+    assert "PYTHONPATH=/opt/mine" in words
+
+
+def test_nccl_is_not_sent_to_the_network_on_one_node():
+    """HPE: NCCL_NET on a single-node job forces the network transport where nothing crosses the network.
+    The launcher names the Slingshot plugin only on more nodes; a user's own NCCL_NET is kept on one node."""
+    one_node = dict(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1",
+                    SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="nid000003", SLURM_NTASKS="4")
+    result = launch(**one_node)
+    assert result.returncode == 0, result.stderr
+    assert "NCCL_NET" not in shifter_settings(srun_line(result)) and "NCCL_NET=(any)" in result.stdout
+    assert shifter_settings(srun_line(launch(**one_node, NCCL_NET="AWS Libfabric")))["NCCL_NET"] == "AWS Libfabric"
+    two_nodes = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1")
+    assert shifter_settings(srun_line(two_nodes))["NCCL_NET"] == "AWS Libfabric"
 
 
 def mounts(words: list[str]) -> list[str]:
@@ -192,8 +268,8 @@ def test_podman_hpc_command():
     # Each rank's own SLURM_PROCID and the step's variables (absent where the command is built) must
     # reach its container: podman takes them, by prefix, from each task's environment.
     passed = [words[i + 1] for i, word in enumerate(words) if word == "-e"]
-    assert passed == ["SLURM_*", "MASTER_*", "NCCL_*", "TORCH_NCCL_*", "FI_*", "HPCML_*", "HOROVOD_*", "TF_*",
-                      "OMP_NUM_THREADS", "PYTHONUNBUFFERED"]
+    assert passed == ["SLURM_*", "MASTER_*", "NCCL_*", "TORCH_NCCL_*", "TORCH_FR_*", "FI_*", "HPCML_*", "HOROVOD_*",
+                      "TF_*", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONNOUSERSITE", "TRITON_CACHE_DIR"]
     assert words[words.index("me/ddp:v1") + 1 :][:2] == ["python3", f"{REPO}/recipes/ddp/train.py"]
 
 

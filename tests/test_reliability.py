@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -115,6 +116,13 @@ def test_stopped_rank_ends_the_job_within_the_collective_timeout(slurm_cluster, 
     assert state == "FAILED" and elapsed >= timeout_s - 1, (state, elapsed, log)
     assert f"[ddp] error: rank 0 on {job_nodes(job)[0]}: a collective failed" in log, log
     assert "another rank died, hung or was stopped" in log
+    # The evidence of the hang (PyTorch's Flight Recorder, which the launcher turns on): rank 0's last
+    # collectives, the one that timed out last, in the run directory, and named in its line.
+    trace = tmp_path / "run" / "flight_recorder" / "rank_0"
+    entries = pickle.loads(trace.read_bytes())["entries"]
+    assert entries and entries[-1]["profiling_name"].startswith("gloo:"), entries[-1:]
+    assert f"(its last collective: {entries[-1]['profiling_name']} #{entries[-1]['collective_seq_id']}; " \
+           f"flight recorder: {trace})" in log, log
 
 
 def test_time_limit_signal_checkpoints_requeues_and_resumes_on_the_same_curve(slurm_cluster, tmp_path):
@@ -381,6 +389,8 @@ BAD_INPUTS = {
     "malformed config file": ([], ["--config", "{tmp}/broken.toml"], {}, "[ddp] error: --config {tmp}/broken.toml is not valid TOML"),
     "unknown key in config file": ([], ["--config", "{tmp}/typo.toml"], {}, "[ddp] error: unknown option 'learning_rate' in --config"),
     "wrong type in config file": ([], ["--config", "{tmp}/type.toml"], {}, "[ddp] error: 'max-steps' in --config {tmp}/type.toml must be int, got '10'"),
+    # GPU nodes (the cluster's are placeholders, which its jobs otherwise declare) and a CPU PyTorch
+    "a CPU PyTorch on GPU nodes": ([], [], {"HPCML_ALLOW_CPU": ""}, "[ddp] error: Slurm gave this job GPUs (SLURM_"),
 }
 
 

@@ -7,11 +7,14 @@ of the container test matrix (tests/matrix.toml, tests/test_matrix.py).
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY, ddp_image, recipe_env, run, sbatch_recipe, shifter_pull  # noqa: F401 (ddp_image: a fixture)
+from conftest import (TINY, container_env, ddp_image, recipe_env, run, sbatch_recipe,  # noqa: F401 (ddp_image: a fixture)
+                      shifter_pull)
 
 pytestmark = pytest.mark.slurm
 RECIPE_ARGS = [*TINY, "--max-steps", "4", "--global-batch", "8", "--checkpoint-every", "0"]
@@ -61,3 +64,66 @@ def test_shifter_image_is_resolved_at_submission_as_shifter_does(slurm_cluster, 
                   env=recipe_env(**slurm_cluster), cwd=tmp_path, timeout=120)
     assert missing.returncode != 0 and missing.stdout.strip() == "", missing.stdout
     assert "Failed to lookup image" in missing.stderr and "shifterimg pull docker:hpcml/no-such:cpu" in missing.stderr
+
+
+# What NVIDIA's recent PyTorch images set in their environment (NCCL_NET_PLUGIN: NCCL then loads only
+# libnccl-net-<name>.so, never the site's libnccl-net.so), and other settings an image may carry.
+IMAGE_SETTINGS = {"NCCL_NET_PLUGIN": "aws-ofi", "NCCL_DEBUG": "INFO", "FI_CXI_RX_MATCH_MODE": "software"}
+
+
+@pytest.fixture(scope="module")
+def image_with_its_own_settings(ddp_image, tmp_path_factory) -> str:
+    """The ddp image with IMAGE_SETTINGS in its ENV (a layer of metadata: seconds)."""
+    context = tmp_path_factory.mktemp("image-settings")
+    settings = " ".join(f"{name}={value}" for name, value in IMAGE_SETTINGS.items())
+    (context / "Containerfile").write_text(f"FROM localhost/hpcml/ddp:cpu\nENV {settings}\n")
+    built = run(["podman", "build", "-q", "-t", "localhost/hpcml/ddp-settings:cpu", str(context)], env=container_env(),
+                timeout=300)
+    assert built.returncode == 0, built.stderr
+    return "ddp-settings"
+
+
+def shadowing_numpy(directory: Path, where: str) -> None:
+    """A numpy that fails on import, saying where it came from."""
+    (directory / "numpy").mkdir(parents=True)
+    (directory / "numpy" / "__init__.py").write_text(f"raise ImportError('numpy from {where} shadowed the image')\n")
+
+
+@pytest.mark.containers
+@pytest.mark.parametrize("runtime", ["shifter", "podman-hpc"])
+def test_the_launchers_settings_and_the_images_packages_win_in_the_container(slurm_cluster, image_with_its_own_settings,
+                                                                              request, tmp_path, runtime):
+    """slurm/ddp.sh on 2 nodes as a normal user, in an image that sets NCCL_NET_PLUGIN, NCCL_DEBUG and an FI_CXI
+    setting, with a PYTHONPATH and a user site (PYTHONUSERBASE) that each hold a numpy that cannot be imported:
+    rank 0 logs the launcher's values as it sees them inside the container (under Shifter the image's won
+    before: the launcher now names them with --env), the image's numpy is the one used (Shifter passed
+    PYTHONPATH and the user site in before: the job failed), and under Shifter every rank starts the image
+    by its ID (the launcher resolved the name once)."""
+    image = image_with_its_own_settings
+    if runtime == "shifter":
+        shifter_pull(image)
+        user = request.getfixturevalue("cluster_user")
+    else:
+        user = request.getfixturevalue("squashed_images")(image)
+    work = user.work_dir(tmp_path)
+    shadowing_numpy(work / "pythonpath", "PYTHONPATH")
+    shadowing_numpy(work / "userbase" / "lib" / "python3.11" / "site-packages", "the user site")
+    run(["chown", "-R", f"{user.uid}:{user.gid}", str(work)])
+    code, state, log = sbatch_recipe(slurm_cluster, work, "ddp", "-N", "2", "--ntasks-per-node", "1", user=user,
+                                     recipe_args=[*RECIPE_ARGS, "--global-batch", "4"], CONTAINER_RUNTIME=runtime,
+                                     CONTAINER_IMAGE=f"hpcml/{image}:cpu", PYTHONPATH=str(work / "pythonpath"),
+                                     PYTHONUSERBASE=str(work / "userbase"))
+    assert (code, state) == (0, "COMPLETED"), log
+    assert "shadowed the image" not in log
+    seen = re.search(r"^\[launch\] rank 0 sees (.*)$", log, re.M)
+    assert seen, log
+    settings = dict(word.split("=", 1) for word in seen.group(1).split(" ") if "=" in word)
+    launchers = {"NCCL_NET_PLUGIN": "libnccl-net.so", "NCCL_DEBUG": "WARN", "FI_CXI_RX_MATCH_MODE": "hybrid"}
+    assert {name: settings.get(name) for name in IMAGE_SETTINGS} == launchers, seen.group(0)
+    recorded = json.loads((work / "run" / "metrics.json").read_text())["network_settings"]
+    assert {name: recorded.get(name) for name in IMAGE_SETTINGS} == launchers
+    assert recorded["NCCL_NET"] == "AWS Libfabric"  # (2 nodes)
+    if runtime == "shifter":
+        srun = next(line for line in log.splitlines() if line.startswith("launch: srun "))
+        assert re.search(r" --image=id:[0-9a-f]{64} ", srun) and "--image=docker:" not in srun, srun
+        assert re.search(rf"image=docker:hpcml/{image}:cpu id:[0-9a-f]{{64}} \(from CONTAINER_IMAGE\)", log), log

@@ -219,9 +219,13 @@ def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, history
     token); ``peak``: (FLOP/s per device, where it came from). The logging rank prints size and peak.
     ``framework``: "tensorflow" for the TensorFlow recipes (their TensorBoard writer is tf.summary)."""
     (n_params, flops_per_token), (peak_flops_per_device, peak_source) = size, peak
+    settings = network_settings()
     if logging_rank:
         print(f"[{recipe}] {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.2f} MFLOP/token, "
               f"peak {peak_flops_per_device / 1e12:.3f} TFLOP/s per device ({peak_source})", flush=True)
+        if os.environ.get("SLURM_JOB_ID"):  # in a job's log: what NCCL and libfabric really got, in the container
+            words = " ".join(f"{name}={value}" for name, value in settings.items())
+            print(f"[launch] rank 0 sees {words or 'no NCCL_*/FI_* settings'}", flush=True)
     events = tensorboard_dir(args)
     return MetricsLogger(
         recipe=recipe, path=Path(args.out_dir) / "metrics.json", is_logging_rank=logging_rank,
@@ -229,9 +233,18 @@ def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, history
         peak_source=peak_source, world_size=devices, log_every=args.log_every, history=history,
         run_info={**run_info, "n_params": n_params, "config": vars(args),
                   "resumed_from_step": history[-1]["step"] if history else None,
-                  "tensorboard_dir": str(events) if events else None},
+                  "tensorboard_dir": str(events) if events else None, "network_settings": settings},
         tensorboard_dir=events, framework=framework,
     )
+
+
+NETWORK_SETTING_PREFIXES = ("NCCL_", "FI_", "TORCH_NCCL_", "TORCH_FR_")
+
+
+def network_settings() -> dict[str, str]:
+    """The NCCL, libfabric and Flight Recorder settings this process really has: inside a container, an
+    image's own environment may have won over what the launcher set (slurm/lib/launch.sh passes them)."""
+    return {name: value for name, value in sorted(os.environ.items()) if name.startswith(NETWORK_SETTING_PREFIXES)}
 
 
 def container_runtime() -> str:

@@ -24,9 +24,20 @@
 #                      --image=docker:REPO/NAME:TAG`: Shifter hands the job its ID), else the one
 #                      `make pull-IMAGE` recorded in HPCML_IMAGES_FILE (~/.config/hpcml/images)
 #   PYTHON             interpreter inside the runtime (default: python3)
-#   NCCL_NET           network NCCL must use (default "AWS Libfabric": the Slingshot plugin). NCCL then
-#                      fails at start-up instead of falling back to TCP sockets. Set NCCL_NET= (empty) on
-#                      clusters without the plugin.
+#   NCCL_NET           network NCCL must use (default on more than one node "AWS Libfabric": the Slingshot
+#                      plugin). NCCL then fails at start-up instead of falling back to TCP sockets. Set
+#                      NCCL_NET= (empty) on clusters without the plugin. Unset on one node.
+#   NCCL_NET_PLUGIN    the plugin's file (default libnccl-net.so, what the site's nccl module provides; set
+#                      explicitly because an image may set another). These, the other NCCL_*, FI_* (HPE's
+#                      Slingshot settings), TORCH_NCCL_*, TORCH_FR_* and TRITON_CACHE_DIR are passed into the
+#                      container explicitly (Shifter --env, podman -e): under Shifter the image's own
+#                      environment would otherwise win. Rank 0 logs what it sees.
+#   HPCML_ALLOW_CPU=1  train on the CPU although Slurm gave the job GPUs (each rank refuses otherwise: a CPU
+#                      image, or a container without its GPUs, would train at CPU speed and exit 0)
+#   CONTAINER_PYTHONPATH  PYTHONPATH inside the container. The host's PYTHONPATH and PYTHONUSERBASE are not
+#                      passed in (they would shadow the image's packages); PYTHONNOUSERSITE=1 is.
+#   HPCML_CXI_DEVICES  the Slingshot NIC devices given to podman-hpc containers (default: /dev/cxi* of the
+#                      node; empty: none)
 #   HPCML_GPU_ORDER    the GPU each local rank drives, e.g. 3,2,1,0 (default on Perlmutter: each rank next
 #                      to its cores); empty: local rank l drives GPU l
 #   LAUNCH_DRY_RUN=1   print the srun command instead of running it (no checks that need the runtime)
@@ -34,6 +45,8 @@
 #   LAUNCH_PREFLIGHT_ONLY=1  run every check, then stop before srun (slurm/preflight.sh sets it)
 #   LAUNCH_MAX_REQUEUES      how often a job may requeue itself at the time-limit warning (default 10)
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING  default 1: a failed NCCL collective aborts the rank instead of hanging
+#   TORCH_FR_BUFFER_SIZE  PyTorch's Flight Recorder: collectives each rank remembers (default 2000; 0: off).
+#                      A hang leaves RUN_DIR/flight_recorder/rank_<R> (docs: how to read them)
 #   REPO_DIR           the checkout holding recipes/ (default: the directory sbatch was called from)
 #   RUN_DIR            the run's output directory (checkpoints, metrics): created here, mounted into the
 #                      container; the sbatch files default it to runs/<recipe>-<jobid> in the repository
@@ -112,14 +125,14 @@ recorded_image() {
     return 0
 }
 
-# Sets IMAGE to the image to run, "docker:NAME" or "id:ID" (Shifter's job image), and IMAGE_SOURCE to where
-# it came from.
+# Sets IMAGE to the image to run, "docker:NAME" or "id:ID" (under Shifter, once the gateway has resolved the
+# name), IMAGE_NAME to the name it had, and IMAGE_SOURCE to where it came from.
 # In this order: CONTAINER_IMAGE; under Shifter the job's own image (`sbatch --image=docker:NAME`, which
 # Shifter resolves to an ID at submission); the image `make pull-IMAGE` recorded. The podman runtimes
 # never take Shifter's job image: a Shifter ID means nothing to them.
 choose_image() {
     local runtime=$1 recipe=$2 family image
-    IMAGE="" IMAGE_SOURCE=""
+    IMAGE="" IMAGE_SOURCE="" IMAGE_NAME=""
     [[ $runtime == none ]] && return 0
     family=$(image_family "$recipe")
     if [[ -e $(images_file) && ! -f $(images_file) ]]; then
@@ -163,10 +176,15 @@ choose_image() {
                 "'podman-hpc ps -a' shows containers left behind, 'podman-hpc system migrate' resets its state"
         fi
     fi
-    # Shifter starts only images its gateway has pulled (an ID was resolved at submission already).
-    if [[ $runtime == shifter && $image == docker:* && ${LAUNCH_DRY_RUN:-0} != 1 ]] &&
-        command -v shifterimg >/dev/null 2>&1 && ! shifterimg lookup "$image" >/dev/null 2>&1; then
-        launch_error "Shifter's image gateway has no image '${image#docker:}': shifterimg pull $image (then resubmit)"
+    # Shifter starts only images its gateway has pulled (an ID was resolved at submission already). The
+    # name is resolved once, here: every rank then starts the image by its ID (--image=id:...), instead of
+    # each of 4 x N ranks asking the gateway for the tag at every start and requeue.
+    if [[ $runtime == shifter && $image == docker:* && ${LAUNCH_DRY_RUN:-0} != 1 ]] && command -v shifterimg >/dev/null 2>&1; then
+        local id=""
+        id=$(shifterimg lookup "$image" 2>/dev/null) || id=""
+        [[ -n $id ]] || launch_error "Shifter's image gateway has no image '${image#docker:}': shifterimg pull $image (then resubmit)"
+        IMAGE_NAME=$image
+        image=id:$id
     fi
     IMAGE=$image
 }
@@ -175,26 +193,64 @@ choose_image() {
 describe_image() {
     local image=$1 name=""
     [[ -n $image ]] || { echo "(none)"; return; }
-    if [[ $image == id:* ]] && command -v shifterimg >/dev/null 2>&1; then
+    if [[ -n ${IMAGE_NAME:-} ]]; then
+        name=${IMAGE_NAME#docker:}
+    elif [[ $image == id:* ]] && command -v shifterimg >/dev/null 2>&1; then
         name=$(shifterimg images 2>/dev/null | awk -v id="${image:3:10}" '$4 == id {print $NF; exit}') || true
     fi
     echo "${name:+docker:$name }$image (from $IMAGE_SOURCE)"
 }
 
 # Slingshot-11 settings for NCCL over the aws-ofi-nccl (libfabric/CXI) plugin; harmless where unused.
+# Those of HPE's "Running NCCL-Based Applications" application note (HewlettPackard/shs-ccl-docs,
+# nccl/nccl_tuning_guide.md, SHS 2.1 and later; read 2026-12) that need nothing from the scheduler: the
+# completion queue and hybrid matching for large jobs, and the rendezvous settings of its April 2026 change
+# that keep LL128-sized messages off the eager path (its workaround for data corruption over CXI). Its
+# alt_read rendezvous protocol also needs `srun --network=disable_rdzv_get`, so it is left to the site.
 export_network_settings() {
     export FI_MR_CACHE_MONITOR=${FI_MR_CACHE_MONITOR:-userfaultfd}
     export FI_CXI_DISABLE_HOST_REGISTER=${FI_CXI_DISABLE_HOST_REGISTER:-1}
+    export FI_CXI_DEFAULT_CQ_SIZE=${FI_CXI_DEFAULT_CQ_SIZE:-131072}
+    export FI_CXI_RX_MATCH_MODE=${FI_CXI_RX_MATCH_MODE:-hybrid}
+    export FI_CXI_RDZV_THRESHOLD=${FI_CXI_RDZV_THRESHOLD:-0}
+    export FI_CXI_RDZV_GET_MIN=${FI_CXI_RDZV_GET_MIN:-0}
+    export FI_CXI_RDZV_EAGER_SIZE=${FI_CXI_RDZV_EAGER_SIZE:-0}
     export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-PHB}
     export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn}
     export NCCL_CROSS_NIC=${NCCL_CROSS_NIC:-1}
     # Naming the network makes NCCL fail loudly when the plugin is missing, instead of silently using
-    # TCP sockets at a fraction of the bandwidth. An explicitly empty NCCL_NET turns the check off.
-    if [[ -z ${NCCL_NET+set} ]]; then export NCCL_NET="AWS Libfabric"; fi
-    [[ -n $NCCL_NET ]] || unset NCCL_NET
+    # TCP sockets at a fraction of the bandwidth. An explicitly empty NCCL_NET turns the check off. Not on
+    # one node, where nothing crosses the network (HPE: it forces the network transport there, slower).
+    if [[ -z ${NCCL_NET+set} && ${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}} != 1 ]]; then export NCCL_NET="AWS Libfabric"; fi
+    [[ -n ${NCCL_NET:-} ]] || unset NCCL_NET
+    # The plugin file the site's module provides (Shifter's nccl-plugin, podman-hpc's nccl, Lmod's nccl):
+    # libnccl-net.so. Named, because an image may set NCCL_NET_PLUGIN (NVIDIA's recent PyTorch images do),
+    # and then NCCL looks only for libnccl-net-<name>.so and never loads the site's plugin.
+    export NCCL_NET_PLUGIN=${NCCL_NET_PLUGIN:-libnccl-net.so}
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
     # A failed or timed-out NCCL collective aborts the rank (and srun then the job) instead of hanging.
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    # PyTorch's Flight Recorder: each rank keeps its last collectives and, when one times out, writes them
+    # to RUN_DIR/flight_recorder/rank_<R> (set in launch_recipe): what hung, and on which ranks.
+    export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
+    export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+    # torch.compile's kernels on node-local disk, not $HOME (Shifter passes HOME; a shared home is slow
+    # and every rank of every node would write there).
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-$(id -u)}
+}
+
+# The launcher's settings, named explicitly in the container's command: under Shifter the image's own
+# environment wins over the job's for every variable the image sets (only --env overrides it), so an image
+# that sets NCCL_* or FI_* would silently beat these. podman takes them with -e.
+container_settings() {
+    local name
+    for name in $(compgen -e | LC_ALL=C sort); do
+        # (Shifter refuses --env=NAME= with an empty value: "Improperly formatted environment variable")
+        [[ -n ${!name} ]] || continue
+        case $name in
+        NCCL_* | FI_* | TORCH_NCCL_* | TORCH_FR_* | TRITON_CACHE_DIR | PYTHONNOUSERSITE) echo "$name" ;;
+        esac
+    done
 }
 
 # True when directory $1 is one of the others or inside one of them.
@@ -224,6 +280,9 @@ build_command() {
             cmd+=(shifter "--image=$image")
         fi
         [[ -n ${SLURM_SPANK_SHIFTER_MODULE:-} ]] && cmd+=("--module=$SLURM_SPANK_SHIFTER_MODULE")
+        local name
+        for name in $(container_settings); do cmd+=("--env=$name=${!name}"); done
+        [[ -z ${CONTAINER_PYTHONPATH:-} ]] || cmd+=("--env=PYTHONPATH=$CONTAINER_PYTHONPATH")
         ;;
     podman | podman-hpc)
         # (podman-hpc runs podman with --log-level=fatal unless told: a container that cannot start would
@@ -237,6 +296,10 @@ build_command() {
             # the squashed store (squashfuse mounts belong to the user: runc fails with "stat ...: operation
             # not supported"). `--userns keep-id` fails there too ("creating /etc/mtab symlink").
             cmd+=(--gpu --nccl --user 0:0)
+            # The Slingshot NICs: NERSC's nccl module binds libfabric and libcxi but not the devices the
+            # CXI provider opens (its mpich module does); without them NCCL cannot use the network.
+            local device
+            for device in ${HPCML_CXI_DEVICES-$(cxi_devices)}; do cmd+=("--device=$device"); done
         elif (($(id -u) == 0)); then
             cmd+=(--user 0:0) # podman as root: the ranks as root, not the image's USER, writing root's RUN_DIR
         else
@@ -264,11 +327,20 @@ build_command() {
         # Prefixes: podman reads the matching variables from each task's own environment when its
         # container starts, so every rank gets its own SLURM_PROCID and the step's SLURM_STEP_* (which the
         # batch script, where this command is built, does not have).
-        cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'TORCH_NCCL_*' -e 'FI_*' -e 'HPCML_*' -e 'HOROVOD_*' -e 'TF_*' -e OMP_NUM_THREADS -e PYTHONUNBUFFERED)
+        cmd+=(-e 'SLURM_*' -e 'MASTER_*' -e 'NCCL_*' -e 'TORCH_NCCL_*' -e 'TORCH_FR_*' -e 'FI_*' -e 'HPCML_*' -e 'HOROVOD_*' -e 'TF_*'
+            -e OMP_NUM_THREADS -e PYTHONUNBUFFERED -e PYTHONNOUSERSITE -e TRITON_CACHE_DIR)
+        [[ -z ${CONTAINER_PYTHONPATH:-} ]] || cmd+=(-e "PYTHONPATH=$CONTAINER_PYTHONPATH")
         cmd+=("${image#docker:}")
         ;;
     esac
     cmd+=("${PYTHON:-python3}" "$@")
+}
+
+# The Slingshot NIC devices of this node (Perlmutter: /dev/cxi0 ... /dev/cxi3), for podman-hpc.
+cxi_devices() {
+    local device
+    for device in /dev/cxi*; do [[ -c $device ]] && echo "$device"; done
+    return 0
 }
 
 # The srun options and the command of the job step: one task per rank, or one per node (RECIPE_LAUNCHER).
@@ -334,7 +406,7 @@ check_allocation() {
         none)
             if command -v nvidia-smi >/dev/null 2>&1 && ! find_on_library_path 'libnccl-net*.so*'; then
                 launch_error "NCCL_NET='$NCCL_NET' but no libnccl-net*.so on LD_LIBRARY_PATH:" \
-                    "module load nccl-plugin (Perlmutter) or set NCCL_NET= to let NCCL use TCP"
+                    "module load nccl (Perlmutter's module of the plugin) or set NCCL_NET= to let NCCL use TCP"
             fi
             ;;
         esac
@@ -475,6 +547,15 @@ launch_recipe() {
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     export PYTHONUNBUFFERED=1
     export HPCML_EXPECTED_WORLD_SIZE=${SLURM_NTASKS:-1}
+    if [[ $runtime != none ]]; then
+        # The image's packages, not the user's: a `pip install --user` torch or numpy (Shifter passes HOME,
+        # PYTHONPATH and PYTHONUSERBASE) would shadow them. CONTAINER_PYTHONPATH passes a path on purpose.
+        export PYTHONNOUSERSITE=1
+        unset PYTHONPATH PYTHONUSERBASE
+    fi
+    if [[ -n ${RUN_DIR:-} && ${TORCH_FR_BUFFER_SIZE:-0} != 0 ]]; then
+        export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$RUN_DIR/flight_recorder/rank_}
+    fi
 
     local -a command
     build_step command "$runtime" "$image" "$recipe" "$@"
@@ -482,8 +563,8 @@ launch_recipe() {
     # What ran, at the top of every job log (a requeued job appends to the same log).
     echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)"
     echo "launch: runtime=$runtime image=$(describe_image "$image") master=$MASTER_ADDR:$MASTER_PORT commit=$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_DEBUG=$NCCL_DEBUG NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME FI_MR_CACHE_MONITOR=$FI_MR_CACHE_MONITOR" \
-        "GPU order=${HPCML_GPU_ORDER:-(local rank l: GPU l)}"
+    echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_NET_PLUGIN=$NCCL_NET_PLUGIN NCCL_DEBUG=$NCCL_DEBUG" \
+        "NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME FI_MR_CACHE_MONITOR=$FI_MR_CACHE_MONITOR GPU order=${HPCML_GPU_ORDER:-(local rank l: GPU l)}"
     echo "launch: $(printf '%q ' "${command[@]}")"
     if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then
         return 0
@@ -502,6 +583,7 @@ launch_recipe() {
         return 0
     fi
 
+    [[ -z ${TORCH_FR_DUMP_TEMP_FILE:-} ]] || mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"
     local status=0
     without_run_dir_lock "${command[@]}" || status=$?
     if ((status == 0)) && [[ -n ${RUN_DIR:-} && -f $RUN_DIR/stopped_by_signal ]]; then
