@@ -186,6 +186,32 @@ def test_prepare_refuses_an_empty_corpus_and_bad_jsonl_and_writes_nothing(tmp_pa
         assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
+def test_prepare_refuses_an_out_prefix_under_a_file_in_one_line(tmp_path):
+    """--out whose parent is a file ended in a NotADirectoryError traceback."""
+    (tmp_path / "notes.txt").write_text("not a directory\n")
+    (tmp_path / "text.txt").write_text("one document\n")
+    result = prepare(tmp_path / "notes.txt" / "tokens", tmp_path / "text.txt")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"[prepare] error: --out {tmp_path}/notes.txt/tokens: {tmp_path}/notes.txt is a file, not a directory: give a "
+        "prefix in a directory (it is created if missing)"], result.stderr
+
+
+@pytest.mark.parametrize("runtime", [{}, {"SHIFTER_RUNTIME": "1"}], ids=["bare", "in-a-container"])
+def test_data_naming_a_file_says_what_a_token_file_is_not_where_to_mount(corpus, tmp_path, runtime):
+    """--data naming the text itself, or one of the three files: one line saying what --data takes (it said
+    that PREFIX.json did not exist in the container, and suggested mounts, on a laptop too)."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("some text to train on\n")
+    for data, message in ((text, f"--data {text} is a file, not a token file: --data takes the PREFIX of "
+                                 f"PREFIX.bin/.idx/.json; make them from your text with: python recipes/data/prepare.py "
+                                 f"{text} --out {tmp_path}/corpus-tokens"),
+                          (Path(f"{corpus}.bin"), f"--data {corpus}.bin names one file of a token file: give the prefix "
+                                                  f"of the three, --data {corpus}")):
+        result = run([sys.executable, str(REPO / "recipes" / "ddp" / "train.py"), "--out-dir", str(tmp_path / "run"),
+                      "--data", str(data), "--preflight", "2"], env=recipe_env(**runtime), timeout=120)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"[ddp] error: {message}"], result.stderr
+
+
 def broken(corpus: Path, tmp_path: Path, how: str) -> Path:
     """A copy of the corpus with one defect."""
     prefix = tmp_path / "broken"

@@ -11,9 +11,17 @@ depend on the seed and the step only, so no control can show it.)
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
-from conftest import assert_ok, losses, max_relative_difference, read_metrics, run_single, run_torchrun
+from conftest import (DDP_RECIPE, TINY, assert_ok, losses, max_relative_difference, read_metrics, recipe_env, run,
+                      run_single, run_torchrun)
 
 # AdamW (its moments are state a resume must restore) at a learning rate where losing them shows by far.
 ARGS = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2", "--lr", "0.01"]
@@ -65,3 +73,46 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("[ddp] error:") and len(result.stderr.strip().splitlines()) == 1
     assert "use the same settings, a new --out-dir, or --no-resume" in result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_signal_to_every_process_with_read_ahead_workers_still_checkpoints(tmp_path, signum):
+    """Slurm signals every process of a job step (the time-limit warning, scancel, preemption), the
+    DataLoader's read-ahead workers too (--data-workers 2, the default on a GPU). The rank must still
+    checkpoint after its step, write the stop marker and exit 0, and the rerun must end on the uninterrupted
+    curve. (Before the workers ignored the signal, they died of it and the rank failed with "DataLoader
+    worker ... killed by signal", exit 1, no checkpoint.)"""
+    args = ["--global-batch", "8", "--max-steps", "300", "--checkpoint-every", "0", "--data-workers", "2",
+            "--tensorboard", "off"]
+    reference = tmp_path / "reference"
+    assert_ok(run_single(reference, *args))
+    out, log = tmp_path / "signalled", tmp_path / "signalled.log"
+    with open(log, "w") as output:
+        rank = subprocess.Popen([sys.executable, str(DDP_RECIPE), "--out-dir", str(out), *TINY, *args], env=recipe_env(),
+                                stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not re.search(r"^\[ddp\] step +10 ", log.read_text(), re.M):
+            assert rank.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        workers = run(["pgrep", "-P", str(rank.pid)]).stdout.split()
+        assert len(workers) >= 2, f"the read-ahead workers are not running: {workers}"
+        os.killpg(rank.pid, signum)  # every process of the rank, as slurmstepd signals a step
+        assert rank.wait(timeout=120) == 0, log.read_text()
+    finally:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+    text = log.read_text()
+    name = signal.Signals(signum).name
+    stopped = re.search(rf"\[ddp\] stopped by {name} after step (\d+): checkpoint written", text)
+    assert stopped and "killed by signal" not in text and "Traceback" not in text, text
+    step = int(stopped.group(1))
+    assert 10 <= step < 300 and (out / "stopped_by_signal").read_text() == f"{name} after step {step}\n"
+    assert read_metrics(out)["last_step"] == step
+
+    resumed = run_single(out, *args)
+    assert_ok(resumed)
+    assert f"(step {step})" in resumed.stdout
+    metrics = read_metrics(out)
+    assert [r["step"] for r in metrics["history"]] == list(range(1, 301))
+    assert losses(metrics) == losses(read_metrics(reference))  # the same batches, workers or not, to the bit

@@ -71,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.require_at_least_one(args, "workers")
     if args.out.is_dir() or str(args.out).endswith("/"):
         raise harness.ConfigError(f"--out {args.out} is a directory: give a prefix in it, e.g. --out {args.out / 'tokens'}")
+    existing = next(parent for parent in args.out.absolute().parents if parent.exists())  # (/ exists)
+    if not existing.is_dir():
+        raise harness.ConfigError(f"--out {args.out}: {existing} is a file, not a directory: give a prefix in a "
+                                  "directory (it is created if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise harness.ConfigError(f"--out {args.out}: {existing} is not writable by you: give a prefix in a directory "
+                                  "you own (on Perlmutter: under $SCRATCH)")
     if args.tokenizer != "bytes":
         if args.tokenizer.startswith("bpe:"):
             size = args.tokenizer.removeprefix("bpe:")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,12 +133,19 @@ def read_token_file_meta(prefix: str | Path) -> dict:
     prefix = Path(prefix)
     redo = f"run recipes/data/prepare.py --out {prefix} again (or fix --data)"
     sidecar, index, tokens = (Path(f"{prefix}{suffix}") for suffix in (".json", ".idx", ".bin"))
+    if prefix.is_file() and not sidecar.exists():  # a file itself: one of the three, or the text to prepare
+        if prefix.suffix in (".json", ".idx", ".bin") and prefix.with_suffix(".json").is_file():
+            raise ConfigError(f"--data {prefix} names one file of a token file: give the prefix of the three, "
+                              f"--data {prefix.with_suffix('')}")
+        raise ConfigError(f"--data {prefix} is a file, not a token file: --data takes the PREFIX of PREFIX.bin/.idx/.json; "
+                          f"make them from your text with: python recipes/data/prepare.py {prefix} --out {prefix.with_suffix('')}-tokens")
     for path in (sidecar, index, tokens):
         if not path.is_file():
             from .metrics import container_runtime
 
             runtime = container_runtime()
-            if runtime != "none" and not path.exists():  # most often: there, but not mounted into the container
+            # Most often the data is there on the host, but its directory is not mounted into the container.
+            if runtime != "none" and not path.exists() and not path.parent.is_dir():
                 raise ConfigError(f"--data {prefix}: {path} does not exist in this {runtime} container: keep the data "
                                   "on a file system the runtime mounts (Shifter: $SCRATCH, $HOME; podman and podman-hpc: "
                                   f"CONTAINER_MOUNTS=\"{prefix.resolve().parent}\"), or {redo}")
@@ -271,6 +279,15 @@ def data_workers(args, device) -> int:
     return 2 if device.type == "cuda" else 0
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """In each read-ahead worker: ignore the time-limit and preemption signals. Slurm signals every process of
+    the step, the workers too; one that died of it (PyTorch's worker re-raises SIGTERM, and SIGUSR1 kills)
+    would end the training process with "DataLoader worker ... killed by signal" instead of the checkpoint
+    it owes (harness.signals). The training process stops its workers itself when it ends."""
+    for signum in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def step_batches(data: GlobalBatches, args, steps: range, global_batch: int, rank: int, world_size: int, device):
     """This rank's (inputs, targets) of each step in ``steps``, in order, on ``device``. With worker processes
     (data_workers) a DataLoader reads ahead, in order, into pinned memory on a GPU; the copy to the GPU does
@@ -283,7 +300,8 @@ def step_batches(data: GlobalBatches, args, steps: range, global_batch: int, ran
         batches = (rows[index] for index in range(len(rows)))
     else:
         batches = torch.utils.data.DataLoader(rows, batch_size=None, shuffle=False, num_workers=workers,
-                                              pin_memory=device.type == "cuda", prefetch_factor=2)
+                                              pin_memory=device.type == "cuda", prefetch_factor=2,
+                                              worker_init_fn=_ignore_stop_signals)
     for inputs, targets in batches:
         yield inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
