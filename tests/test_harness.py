@@ -269,3 +269,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_users_dataset_gives_each_rank_its_rows_of_the_same_global_batch():
+    """DatasetBatches (--dataset): rank r's rows of step s are rows [r*b, (r+1)*b) of the global batch, at any
+    world size; the order is a seeded permutation per epoch, and a step past an epoch wraps into the next."""
+    from harness.data import DatasetBatches
+
+    items = [(torch.full((2,), float(i)), torch.tensor(float(i))) for i in range(10)]
+    data = DatasetBatches(items, seed=5)
+    inputs, targets = data.global_batch(3, 4)  # samples 12..15: epoch 1, positions 2..5
+    assert torch.equal(inputs[:, 0], targets) and sorted(set(targets.tolist())) == sorted(targets.tolist())
+    assert targets.tolist() == [float(data.order(1)[p]) for p in range(2, 6)]
+    for world in (1, 2, 4):
+        parts = [data.local_batch(3, 4, rank, world)[1] for rank in range(world)]
+        assert torch.equal(torch.cat(parts), targets)
+    assert sorted(data.order(0).tolist()) == list(range(10)) and not torch.equal(data.order(0), data.order(1))

@@ -521,3 +521,17 @@ def test_requeues_stop_at_the_limit_and_a_bad_limit_is_refused(tmp_path):
 def test_an_images_file_that_is_a_directory_is_one_line(tmp_path):
     error = one_line_error(launch(CONTAINER_RUNTIME="podman", LAUNCH_DRY_RUN="1", HPCML_IMAGES_FILE=str(tmp_path)))
     assert f"HPCML_IMAGES_FILE={tmp_path} is not a file" in error
+
+
+def test_with_your_own_dataset_data_is_a_file_not_a_token_prefix(tmp_path):
+    """--dataset MODULE:FACTORY reads --data as it likes (an HDF5 file here): the launcher checks that it is
+    readable, not that PREFIX.json/.idx/.bin are (which refused every such job)."""
+    fields = tmp_path / "fields.h5"
+    fields.write_bytes(b"\x89HDF\r\n\x1a\n")
+    job = dict(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1")
+    result = launch("--dataset", "recipes/examples/fields.py:dataset", "--data", str(fields), **job)
+    assert result.returncode == 0, result.stderr
+    missing = one_line_error(launch("--dataset", "recipes/examples/fields.py:dataset", "--data", str(tmp_path / "no.h5"), **job))
+    assert missing.startswith(f"launch: error: --data {tmp_path}/no.h5 is not readable on the batch node"), missing
+    token_prefix = one_line_error(launch("--data", str(fields), **job))  # without --dataset: a token file
+    assert f"{fields}.json is not readable" in token_prefix, token_prefix

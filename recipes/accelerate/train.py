@@ -17,6 +17,9 @@ file runs on CPU (gloo) and on GPUs (NCCL, bf16 autocast). Gradient accumulation
     # on Perlmutter (2 nodes x 4 A100), or on any Slurm cluster
     sbatch slurm/accelerate.sh
 
+    # a Hugging Face causal LM saved in a directory, or your own module, instead of the GPT (harness/model.py)
+    accelerate launch --multi_gpu --num_processes 2 recipes/accelerate/train.py --model hf:$SCRATCH/models/my-llama
+
 Accelerator(cpu=True) where there is no GPU: without it, `--multi_gpu` on a CPU machine starts N
 independent single-process trainings that all exit 0. The run refuses to continue when the world it
 joined is not the one the launcher asked for (HPCML_EXPECTED_WORLD_SIZE), and records world size,
@@ -33,7 +36,6 @@ import contextlib
 import datetime
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -70,12 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged"}, other={
         "accum-sum": "the micro-batches' gradients summed instead of averaged (needs --grad-accum > 1)",
         "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True)
 
 
-def validate(args: argparse.Namespace, world_size: int, nodes: int | None = None) -> None:
+def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec, nodes: int | None = None) -> None:
     """Everything that can be checked before ranks start talking to each other."""
     harness.validate_run(args, world_size)
+    harness.check_model_vocabulary(model, args.vocab_size)
+    harness.check_export_option(args, model)
     harness.require_at_least_one(args, "global_batch", "grad_accum")
     harness.require_positive(args, "lr")
     harness.require_divisible("--global-batch", args.global_batch, world_size * args.grad_accum,
@@ -112,15 +116,16 @@ def check_launch_config(path: Path, world_size: int, nodes: int | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_cfg = GPTConfig.from_args(args)
-    must_match = {"model_cfg": asdict(model_cfg), "global_batch": args.global_batch,  # to resume a checkpoint
+    # the stack's GPT, or --model hf:DIR (a Hugging Face model) or MODULE:FACTORY (yours): harness/model.py
+    spec = harness.model_spec(args, gpt=GPT, gpt_config=GPTConfig.from_args(args))
+    must_match = {**spec.identity, "global_batch": args.global_batch,  # to resume a checkpoint
                   "optimizer_name": args.optimizer}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
-        validate(args, args.preflight, harness.nodes_in_job())
+        validate(args, args.preflight, spec, harness.nodes_in_job())
         resume_from, _ = harness.resume_dir(args, must_match)
         return harness.preflight_line(RECIPE, f"options fit world size {args.preflight}", resume_from)
     env = harness.detect_dist_env()  # accelerate launch speaks torchrun's protocol (RANK, WORLD_SIZE, ...)
-    validate(args, env.world_size, harness.nodes_in_job() if env.launcher != "single" else None)
+    validate(args, env.world_size, spec, harness.nodes_in_job() if env.launcher != "single" else None)
     harness.check_expected_world_size(env.world_size)
     resume_from, trainer_state = harness.resume_dir(args, must_match)
 
@@ -150,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- model and optimizer: same seed on every rank, wrapped by accelerate (DDP when world > 1)
     torch.manual_seed(args.seed)
-    raw_model = GPT(model_cfg)
+    raw_model = spec.build()
     optimizer = harness.torch_optimizer(raw_model.parameters(), args.optimizer, args.lr)
     model, optimizer = accelerator.prepare(raw_model, optimizer)
     sharded = accelerator.distributed_type == DistributedType.FSDP  # fsdp.yaml, GPU only
+    if sharded and args.export_hf:  # (rank 0 holds a shard only; the gather is not written yet)
+        raise harness.ConfigError("--export-hf with accelerate's FSDP is not supported yet: export from the DDP "
+                                  "run (recipes/accelerate/multi_gpu.yaml) or from recipes/ddp/train.py")
     if world_size > 1:
         # Frameworks fall back to no parallelism silently; refuse to "train in parallel" without the wrapper.
         if sharded:
@@ -172,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
     run_info = {**harness.describe_run(env, backend, device, type(model).__name__, dp=world_size), "dtype": str(dtype),
-                "hostnames": hostnames, "distributed_type": accelerator.distributed_type.value, "grad_accum": args.grad_accum}
+                "hostnames": hostnames, "distributed_type": accelerator.distributed_type.value, "grad_accum": args.grad_accum,
+                "model": spec.name}
     peak = harness.peak_flops(device, dtype, args.peak_tflops)
     metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=world_size,
-                                    size=raw_model.size(), peak=peak)
+                                    size=harness.model_size(raw_model), peak=peak)
 
     def save(step: int) -> None:  # accelerate's save_state: every rank writes its part (RNG included)
         harness.save_sharded_checkpoint(
@@ -231,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     spread = None if sharded else harness.max_difference_across_ranks(
         list(accelerator.unwrap_model(model).parameters()), world_size)
     exit_code = run.finish(metrics, spread)
+    if args.export_hf and is_rank0 and exit_code == 0 and run.last_step == args.max_steps:  # (a finished run)
+        harness.export_trained_model(accelerator.unwrap_model(model), spec, args.export_hf, RECIPE)
     if world_size > 1:
         del model, optimizer  # they hold the process group: drop them (and accelerate's references) first
         accelerator.free_memory()

@@ -1,4 +1,4 @@
-"""PyTorch DistributedDataParallel: a small GPT on synthetic tokens, from one CPU to many GPU nodes.
+"""PyTorch DistributedDataParallel: a small GPT on synthetic tokens (or your model), from one CPU to many GPU nodes.
 
 The same file runs everywhere; it picks NCCL when CUDA is present and gloo otherwise, and logs which.
 
@@ -28,6 +28,12 @@ which requeues the job. Options can come from a TOML file:
 On real text (recipes/data/prepare.py writes the token file), evaluated on its validation split:
 
     make data && torchrun --standalone --nproc_per_node=2 recipes/ddp/train.py --data data/stdlib/tokens --eval-every 10
+
+Your model instead of the GPT (harness/model.py: the contract): a Hugging Face causal LM saved in a directory
+(fine-tuning, offline), or your own module:
+
+    torchrun --standalone --nproc_per_node=2 recipes/ddp/train.py --model hf:$SCRATCH/models/my-llama --vocab-size 32000
+    torchrun --standalone --nproc_per_node=2 recipes/ddp/train.py --model path/to/mymodel.py:build
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -62,12 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged"}, other={
         "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state",
         "resume-data-from-start": "a resumed run reads the data from the first batch again"})
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
+def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec) -> None:
     """Everything that can be checked before ranks start talking to each other."""
     harness.validate_run(args, world_size)
+    harness.check_model_vocabulary(model, args.vocab_size)
+    harness.check_export_option(args, model)
     harness.require_at_least_one(args, "global_batch")
     harness.require_positive(args, "lr")
     harness.require_divisible("--global-batch", args.global_batch, world_size, f"the world size {world_size}")
@@ -75,15 +82,16 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_cfg = GPTConfig.from_args(args)
-    must_match = {"model_cfg": asdict(model_cfg), "global_batch": args.global_batch,  # to resume a checkpoint
+    # the stack's GPT, or --model hf:DIR (a Hugging Face model) or MODULE:FACTORY (yours): harness/model.py
+    spec = harness.model_spec(args, gpt=GPT, gpt_config=GPTConfig.from_args(args))
+    must_match = {**spec.identity, "global_batch": args.global_batch,  # to resume a checkpoint
                   "optimizer_name": args.optimizer}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
-        validate(args, args.preflight)
+        validate(args, args.preflight, spec)
         resume_from, _ = harness.resume_file(args, must_match)
         return harness.preflight_line(RECIPE, f"options fit world size {args.preflight}", resume_from)
     env = harness.detect_dist_env()
-    validate(args, env.world_size)
+    validate(args, env.world_size, spec)
     harness.check_expected_world_size(env.world_size)
     resume_from, checkpoint = harness.resume_file(args, must_match)
 
@@ -100,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- model: same seed on every rank; DDP also broadcasts rank 0's weights at construction
     torch.manual_seed(args.seed)
-    model = raw_model = GPT(model_cfg).to(device)  # raw_model: for checkpoints and the parameter check
+    model = raw_model = spec.build().to(device)  # raw_model: for checkpoints and the parameter check
     if args.compile:
         model = torch.compile(model)
     if env.world_size > 1:
@@ -121,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
     run_info = {**harness.describe_run(env, backend, device, type(model).__name__, dp=env.world_size),
-                "hostnames": hostnames, "dtype": str(dtype)}
+                "hostnames": hostnames, "dtype": str(dtype), "model": spec.name}
     metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=env.world_size,
-                                    size=raw_model.size(), peak=harness.peak_flops(device, dtype, args.peak_tflops))
+                                    size=harness.model_size(raw_model),
+                                    peak=harness.peak_flops(device, dtype, args.peak_tflops))
 
     def save(step: int) -> None:
         if is_rank0:  # DDP keeps every rank's weights identical: one copy is the checkpoint
@@ -167,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     # ---- prove from inside the run that the ranks really trained one model together
     spread = harness.max_difference_across_ranks(list(raw_model.parameters()), env.world_size)
     exit_code = run.finish(metrics, spread)
+    if args.export_hf and is_rank0 and exit_code == 0 and run.last_step == args.max_steps:  # (a finished run)
+        harness.export_trained_model(raw_model, spec, args.export_hf, RECIPE)
     if env.world_size > 1:
         del model  # DDP's reducer holds the process group: drop it before leaving the group
         harness.leave_process_group()

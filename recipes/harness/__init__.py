@@ -7,6 +7,8 @@
     data        --data: synthetic tokens or a token file; step s is the same global batch at any world size;
                 step_batches (read ahead by --data-workers); the validation batches --eval-every evaluates
     metrics     rank 0's step lines, metrics.json, TensorBoard events, FLOPs per token and peak (MFU)
+    model       --model: the contract a model meets (forward(inputs, targets) -> loss), a Hugging Face model
+                directory (hf_model: its loss) or the user's own MODULE:FACTORY
     checkpoint  atomic checkpoint files and directories; which checkpoint a rerun resumes
     signals     SIGUSR1/SIGTERM: stop after the step, checkpoint, leave the stop marker
     run         TrainingRun: the step range, checkpoint cadence, the stop agreement and the end of a run;
@@ -36,17 +38,19 @@ from .launch import (
     mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed,
 )
 from .metrics import describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, transformer_flops_per_token
+from .model import (check_export_option, check_model_vocabulary, export_trained_model, model_size, model_spec,
+                    ModelSpec)
 from .run import torch_optimizer, TrainingRun, validation_loss
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
 __all__ = [
     "add_data_options", "add_gpt_options", "add_optimizer_option", "add_run_options", "add_test_break_option",
     "all_hostnames", "atomic_write_bytes",
-    "check_expected_world_size", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV", "default_master_port",
-    "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV",
+    "check_expected_world_size", "check_export_option", "check_model_vocabulary", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV", "default_master_port",
+    "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV", "export_trained_model",
     "gpu_for_local_rank", "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "leave_process_group",
     "list_checkpoint_dirs", "list_checkpoints", "main_entry", "max_across_ranks", "max_difference_across_ranks",
-    "mean_across_ranks", "MetricsLogger", "new_parser", "nodes_in_job", "numpy_batches", "numpy_token_batch",
+    "mean_across_ranks", "MetricsLogger", "model_size", "model_spec", "ModelSpec", "new_parser", "nodes_in_job", "numpy_batches", "numpy_token_batch",
     "parse_args_with_config", "parse_recipe_args", "peak_flops", "preflight_line", "publish_checkpoint_dir",
     "ranks_per_node", "require_at_least_one", "require_divisible", "require_positive", "restore_rng_state",
     "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",

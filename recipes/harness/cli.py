@@ -102,11 +102,16 @@ def add_test_break_option(p: argparse.ArgumentParser, needs_ranks: dict[str, str
     p.set_defaults(test_breaks_needing_ranks=tuple(needs_ranks))
 
 
-def add_data_options(p: argparse.ArgumentParser) -> None:
+def add_data_options(p: argparse.ArgumentParser, user_datasets: bool = False) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default="synthetic", metavar="PREFIX",
                    help="synthetic (default), or a token file: PREFIX.bin/.idx/.json as recipes/data/prepare.py "
-                        "writes them (megatron's indexed-dataset format; e.g. make data: data/stdlib/tokens)")
+                        "writes them (megatron's indexed-dataset format; e.g. make data: data/stdlib/tokens); "
+                        "with --dataset: whatever your factory reads (args.data)")
+    if user_datasets:
+        g.add_argument("--dataset", default=None, metavar="MODULE:FACTORY",
+                       help="your own data: FACTORY(args, split) -> a map-style torch Dataset of (inputs, targets) "
+                            "tensor pairs, for split 'train' and 'validation' (e.g. recipes/examples/fields.py:dataset)")
     g.add_argument("--seq-len", type=int, default=64)
     g.add_argument("--vocab-size", type=int, default=256)
     g.add_argument("--data-workers", type=int, default=-1, metavar="N",
@@ -118,22 +123,32 @@ def add_data_options(p: argparse.ArgumentParser) -> None:
                    help="global batches per evaluation: the validation data's first K, the same every time")
 
 
-def add_gpt_options(p: argparse.ArgumentParser) -> None:
-    """The stack's GPT (recipes/gpt.py): DDP, accelerate, DeepSpeed and Horovod's PyTorch variant."""
-    g = p.add_argument_group("model (recipes/gpt.py)")
+def add_gpt_options(p: argparse.ArgumentParser, user_models: bool = False) -> None:
+    """The stack's GPT (recipes/gpt.py): DDP, accelerate, DeepSpeed and Horovod's PyTorch variant.
+    ``user_models``: --model also takes a Hugging Face model directory or the user's own (harness/model.py)."""
+    g = p.add_argument_group("model (recipes/gpt.py, or --model)")
+    if user_models:
+        g.add_argument("--model", default="gpt", metavar="gpt|hf:DIR|MODULE:FACTORY",
+                       help="gpt: the stack's GPT (the options below); hf:DIR: a Hugging Face causal LM saved in DIR "
+                            "(offline); MODULE:FACTORY: your own, FACTORY(args) -> a torch.nn.Module whose "
+                            "forward(inputs, targets) returns the loss (harness/model.py)")
+        g.add_argument("--export-hf", type=Path, default=None, metavar="DIR",
+                       help="with --model hf:...: at the end, the trained model as a Hugging Face directory "
+                            "(safetensors, config, the source's tokenizer files) that from_pretrained loads")
     g.add_argument("--n-layer", type=int, default=2)
     g.add_argument("--n-head", type=int, default=4)
     g.add_argument("--n-embd", type=int, default=64)
 
 
 def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] | None, gpt_model: bool = False,
-                      collective_timeout: bool = True) -> argparse.Namespace:
+                      collective_timeout: bool = True, user_models: bool = False) -> argparse.Namespace:
     """The shared option groups after the recipe's own, then the command line (and --config) parsed.
-    ``gpt_model``: the options of recipes/gpt.py; ``collective_timeout``: --timeout-s (PyTorch's groups)."""
+    ``gpt_model``: the options of recipes/gpt.py (``user_models``: and --model, --dataset, --export-hf);
+    ``collective_timeout``: --timeout-s (PyTorch's groups)."""
     add_run_options(p, recipe, collective_timeout)
-    add_data_options(p)
+    add_data_options(p, user_models)
     if gpt_model:
-        add_gpt_options(p)
+        add_gpt_options(p, user_models)
     args = parse_args_with_config(p, argv)
     from .data import check_data_option  # (data.py imports ConfigError from here)
 
@@ -143,7 +158,13 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
     if args.data_workers < -1:
         raise ConfigError(f"--data-workers must be 0 (read in the training process) or more, or -1 (auto), got {args.data_workers}")
     # on every rank and in the preflight: before any rank starts
-    check_data_option(args.data, args.vocab_size, args.seq_len, evaluates=args.eval_every > 0)
+    if getattr(args, "dataset", None):
+        from .data import user_dataset
+
+        for split in ("train", "validation") if args.eval_every > 0 else ("train",):
+            user_dataset(args, split)
+    else:
+        check_data_option(args.data, args.vocab_size, args.seq_len, evaluates=args.eval_every > 0)
     return args
 
 

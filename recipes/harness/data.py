@@ -10,6 +10,8 @@ Two sources, chosen with ``--data``:
   train/validation split by document), written by recipes/data/prepare.py. ``TokenFileData`` reads it
   through ``np.memmap`` (no copy into memory): sample k of an epoch is the window of seq_len + 1 tokens
   at k * seq_len of the split's token stream, the samples in a seeded random order per epoch.
+And the user's own, with ``--dataset MODULE:FACTORY`` (DDP and accelerate): ``DatasetBatches`` over the
+map-style dataset FACTORY(args, split) returns, items (inputs, targets), in a seeded order per epoch too.
 
 ``step_batches`` hands a PyTorch recipe this rank's batch of each step in order; with ``--data-workers``
 (default: 2 on a GPU, none on a CPU) a DataLoader reads ahead in worker processes into pinned memory, so
@@ -251,8 +253,71 @@ class TokenFileData(GlobalBatches):
         return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 
-def training_data(args) -> SyntheticTokens | TokenFileData:
-    """The PyTorch recipes' training data: --data synthetic or a token file (checked by parse_recipe_args)."""
+class DatasetBatches(GlobalBatches):
+    """Batches from the user's own map-style dataset (--dataset MODULE:FACTORY): item i is a pair of tensors
+    (inputs, targets), and step s's global batch is samples s * batch_size onwards of a seeded order per
+    epoch, as a token file's are, so a rank reads only its own rows and the data does not depend on the world
+    size or on a resume."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset, self.seed, self.samples_per_epoch = dataset, seed, len(dataset)
+        self._order = None
+
+    def order(self, epoch: int):
+        import torch
+
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = (epoch, torch.randperm(self.samples_per_epoch, generator=generator))
+        return self._order[1]
+
+    def rows(self, first: int, count: int):
+        import torch
+
+        items = []
+        for sample in range(first, first + count):
+            epoch, position = divmod(sample, self.samples_per_epoch)
+            items.append(self.dataset[int(self.order(epoch)[position])])
+        return torch.stack([inputs for inputs, _ in items]), torch.stack([targets for _, targets in items])
+
+    def global_batch(self, step: int, batch_size: int):
+        return self.rows(step * batch_size, batch_size)
+
+    def local_batch(self, step: int, global_batch_size: int, rank: int, world_size: int):
+        per_rank = global_batch_size // world_size
+        return self.rows(step * global_batch_size + rank * per_rank, per_rank)
+
+
+def user_dataset(args, split: str):
+    """--dataset MODULE:FACTORY: FACTORY(args, split) for split "train" or "validation", checked: a map-style
+    dataset (len and indexing) with at least one item, each a pair of tensors (inputs, targets)."""
+    import torch
+
+    from .model import import_factory
+
+    factory, _ = import_factory("--dataset", args.dataset)
+    try:
+        dataset = factory(args, split)
+        size = len(dataset)
+        first = dataset[0] if size else None
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 (the user's code: one line, what it raised)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"--dataset {args.dataset}: its {split} data fails: {type(error).__name__}: {first_line[:160]}") from None
+    if not size:
+        raise ConfigError(f"--dataset {args.dataset}: its {split} data has no items")
+    if not (isinstance(first, (tuple, list)) and len(first) == 2 and all(isinstance(t, torch.Tensor) for t in first)):
+        raise ConfigError(f"--dataset {args.dataset}: item 0 of its {split} data is {type(first).__name__}, not a pair "
+                          "of tensors (inputs, targets)")
+    return dataset
+
+
+def training_data(args) -> SyntheticTokens | TokenFileData | DatasetBatches:
+    """The PyTorch recipes' training data: --dataset (yours), or --data synthetic or a token file (checked by
+    parse_recipe_args)."""
+    if getattr(args, "dataset", None):
+        return DatasetBatches(user_dataset(args, "train"), args.seed)
     if args.data == "synthetic":
         return SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     return TokenFileData(args.data, args.seq_len, args.seed)
@@ -306,8 +371,11 @@ def step_batches(data: GlobalBatches, args, steps: range, global_batch: int, ran
         yield inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
 
-def validation_data(args) -> SyntheticTokens | TokenFileData:
-    """The PyTorch recipes' evaluation data: the token file's validation split, or synthetic rows of another seed."""
+def validation_data(args) -> SyntheticTokens | TokenFileData | DatasetBatches:
+    """The PyTorch recipes' evaluation data: the token file's validation split, or synthetic rows of another seed
+    (--dataset: its "validation" split)."""
+    if getattr(args, "dataset", None):
+        return DatasetBatches(user_dataset(args, "validation"), args.seed)
     if args.data == "synthetic":
         return SyntheticTokens(args.vocab_size, args.seq_len, args.seed + VALIDATION_SEED_OFFSET)
     return TokenFileData(args.data, args.seq_len, args.seed, split="validation")

@@ -125,8 +125,8 @@ class MetricsLogger:
     recipe: str
     path: Path
     is_logging_rank: bool
-    tokens_per_sample: int
-    flops_per_token: float
+    tokens_per_sample: int | None  # None: samples are not token sequences (--dataset): no tokens/s, no MFU
+    flops_per_token: float | None  # None: unknown (a user's model that says nothing): no MFU
     peak_flops_per_device: float
     peak_source: str
     world_size: int
@@ -139,8 +139,9 @@ class MetricsLogger:
 
     def log_step(self, step: int, loss: float, samples: int, step_time_s: float, lr: float, **extra: float) -> None:
         """One step's record; ``extra``: more numbers of the step (e.g. grad_norm), in JSON and TensorBoard."""
-        tokens_per_s = samples * self.tokens_per_sample / step_time_s
-        mfu = tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops_per_device)
+        tokens_per_s = samples * self.tokens_per_sample / step_time_s if self.tokens_per_sample else None
+        mfu = (tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops_per_device)
+               if self.flops_per_token and tokens_per_s else None)
         record = {
             "step": step,
             "loss": loss,
@@ -158,11 +159,13 @@ class MetricsLogger:
             if self._writer is None:
                 self._writer = open_tensorboard_writer(self.tensorboard_dir, self.framework)
             for key in ("loss", "lr", "tokens_per_s", "mfu", "step_time_s", *extra):
-                self._writer.add_scalar(f"train/{key}", record[key], step)
+                if record[key] is not None:
+                    self._writer.add_scalar(f"train/{key}", record[key], step)
         if step % self.log_every == 0:
             print(
                 f"[{self.recipe}] step {step:5d} | loss {loss:.4f} | {record['samples_per_s']:8.1f} samples/s"
-                f" | {tokens_per_s:10.0f} tokens/s | MFU {100 * mfu:5.2f}%",
+                + (f" | {tokens_per_s:10.0f} tokens/s" if tokens_per_s is not None else "")
+                + (f" | MFU {100 * mfu:5.2f}%" if mfu is not None else " | MFU n/a"),
                 flush=True,
             )
 
@@ -188,8 +191,8 @@ class MetricsLogger:
             "final_loss": self.history[-1]["loss"] if self.history else None,
             "final_eval_loss": evaluated[-1] if evaluated else None,
             "mean_samples_per_s": mean("samples_per_s"),
-            "mean_tokens_per_s": mean("tokens_per_s"),
-            "mean_mfu": mean("mfu"),
+            "mean_tokens_per_s": mean("tokens_per_s") if self.tokens_per_sample else None,
+            "mean_mfu": mean("mfu") if self.flops_per_token and self.tokens_per_sample else None,
             "flops_per_token": self.flops_per_token,
             "mfu_formula": "tokens/s * (6N + 12*L*d*T) / (world_size * peak)",
             "peak_flops_per_device": self.peak_flops_per_device,
@@ -221,7 +224,8 @@ def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, history
     (n_params, flops_per_token), (peak_flops_per_device, peak_source) = size, peak
     settings = network_settings()
     if logging_rank:
-        print(f"[{recipe}] {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.2f} MFLOP/token, "
+        flops = f"{flops_per_token / 1e6:.2f} MFLOP/token" if flops_per_token else "FLOPs per token unknown (no MFU)"
+        print(f"[{recipe}] {n_params / 1e6:.2f}M parameters, {flops}, "
               f"peak {peak_flops_per_device / 1e12:.3f} TFLOP/s per device ({peak_source})", flush=True)
         if os.environ.get("SLURM_JOB_ID"):  # in a job's log: what NCCL and libfabric really got, in the container
             words = " ".join(f"{name}={value}" for name, value in settings.items())
@@ -229,7 +233,7 @@ def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, history
     events = tensorboard_dir(args)
     return MetricsLogger(
         recipe=recipe, path=Path(args.out_dir) / "metrics.json", is_logging_rank=logging_rank,
-        tokens_per_sample=args.seq_len, flops_per_token=flops_per_token, peak_flops_per_device=peak_flops_per_device,
+        tokens_per_sample=None if getattr(args, "dataset", None) else args.seq_len, flops_per_token=flops_per_token, peak_flops_per_device=peak_flops_per_device,
         peak_source=peak_source, world_size=devices, log_every=args.log_every, history=history,
         run_info={**run_info, "n_params": n_params, "config": vars(args),
                   "resumed_from_step": history[-1]["step"] if history else None,

@@ -82,8 +82,10 @@ class TrainingRun:
             s, peak = metrics.summary(), metrics.peak_flops_per_device
             evaluated = f", eval loss {s['final_eval_loss']:.4f}" if s["final_eval_loss"] is not None else ""
             print(f"[{self.recipe}] done: step {self.last_step}/{self.args.max_steps}, final loss {s['final_loss']:.4f}{evaluated}, "
-                  f"{s['mean_samples_per_s']:.1f} samples/s, {s['mean_tokens_per_s']:.0f} tokens/s, "
-                  f"MFU {100 * s['mean_mfu']:.2f}% (peak {peak / 1e12:.3f} TFLOP/s, {metrics.peak_source}); "
+                  f"{s['mean_samples_per_s']:.1f} samples/s, "
+                  + (f"{s['mean_tokens_per_s']:.0f} tokens/s, " if s["mean_tokens_per_s"] is not None else "")
+                  + (f"MFU {100 * s['mean_mfu']:.2f}% " if s["mean_mfu"] is not None else "MFU n/a ")
+                  + f"(peak {peak / 1e12:.3f} TFLOP/s, {metrics.peak_source}); "
                   f"metrics in {metrics.path}", flush=True)
         if spread:
             stderr_line(f"[{self.recipe}] error: {differ} by up to {spread:.3g}: "

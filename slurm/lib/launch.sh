@@ -438,16 +438,22 @@ check_allocation() {
 # podman-hpc, inside a directory mounted into the containers. (Under Shifter, the site's file systems are
 # mounted: the recipe's own preflight, in the image, says so when the prefix is not visible there.)
 check_data_path() {
-    local runtime=$1 prefix="" previous="" arg suffix dir
+    local runtime=$1 prefix="" previous="" arg suffix dir dataset=0
     shift
     for arg in "$@"; do # the last --data wins, as in argparse
         [[ $previous == --data ]] && prefix=$arg
         [[ $arg == --data=* ]] && prefix=${arg#--data=}
+        [[ $arg == --dataset || $arg == --dataset=* ]] && dataset=1
         previous=$arg
     done
     [[ -n $prefix && $prefix != synthetic ]] || return 0
     [[ $prefix == /* ]] || prefix=$PWD/$prefix
+    if ((dataset)); then # --dataset: --data is whatever the user's factory reads (a file or a directory)
+        [[ -r $prefix ]] || launch_error "--data $prefix is not readable on the batch node $(hostname): put it on a" \
+            "file system every node mounts (Perlmutter: under \$SCRATCH)"
+    fi
     for suffix in .json .idx .bin; do
+        ((dataset)) && break
         [[ -r $prefix$suffix ]] || launch_error "--data $prefix: $prefix$suffix is not readable on the batch node" \
             "$(hostname): prepare it first (python recipes/data/prepare.py --out $prefix) on a file system every" \
             "node mounts (Perlmutter: under \$SCRATCH)"

@@ -1,0 +1,64 @@
+"""A Hugging Face causal language model under the harness's model contract (harness/model.py).
+
+Its own module because it imports PyTorch at import time; harness.model imports it only to build one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .metrics import transformer_flops_per_token
+
+
+class CausalLMLoss(torch.nn.Module):
+    """``forward(inputs, targets)``: the mean next-token cross-entropy of the model's logits for ``inputs``
+    against ``targets`` (the same tokens one position later), in float32, as recipes/gpt.py computes it.
+    Not the model's ``labels=``: that shifts the labels once more inside the model, and given ``targets``
+    it would train the model to predict the token two positions ahead."""
+
+    def __init__(self, model: torch.nn.Module, seq_len: int):
+        super().__init__()
+        self.model, self.seq_len = model, seq_len
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=inputs, use_cache=False).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def flops_per_token(self) -> float:
+        """6N + 12*L*d*T (harness.transformer_flops_per_token); N leaves out the input embedding, a lookup,
+        unless the output layer shares its weight (then it is a matmul too)."""
+        config = self.model.config
+        n_params = sum(p.numel() for p in self.model.parameters())
+        embedding = self.model.get_input_embeddings().weight
+        output = self.model.get_output_embeddings()
+        if output is None or output.weight is not embedding:
+            n_params -= embedding.numel()
+        return transformer_flops_per_token(n_params, config.num_hidden_layers, config.hidden_size, self.seq_len)
+
+
+# What a Hugging Face model directory holds besides the weights and config.json: the tokenizer, copied from
+# the source directory so that the export is a model one can load and use as it is.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def export_hugging_face(wrapped: CausalLMLoss, source: Path, target: Path) -> list[str]:
+    """The trained model as a Hugging Face directory (save_pretrained: safetensors and config.json) plus the
+    source's tokenizer files; written into TARGET.partial and renamed, so a TARGET that exists is whole.
+    Returns the files written."""
+    target = Path(target)
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    wrapped.model.save_pretrained(partial, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file() and not (partial / name).exists():
+            shutil.copy2(Path(source) / name, partial / name)
+    if target.is_dir():
+        target.rmdir()  # (empty: checked before the run)
+    os.replace(partial, target)
+    return sorted(path.name for path in target.iterdir())

@@ -1,0 +1,201 @@
+"""The model a PyTorch recipe trains (``--model``), and the one contract every model meets.
+
+    --model gpt              the stack's GPT (recipes/gpt.py; --n-layer, --n-head, --n-embd)
+    --model hf:DIR           a Hugging Face causal language model saved in DIR (config.json and safetensors, as
+                             save_pretrained writes them), loaded offline: nothing is downloaded on a node
+    --model MODULE:FACTORY   your own: FACTORY(args) from MODULE, a module on PYTHONPATH (mypkg.models:build) or
+                             a file (path/to/mymodel.py:build)
+
+The contract: ``module(inputs, targets)`` returns the batch's mean loss, a scalar tensor. ``inputs`` and
+``targets`` are what the data gives each step: for token data, (batch, seq_len) token ids and the same
+tokens one position later. A Hugging Face model is wrapped (``CausalLMLoss``) so that it meets it: the
+cross-entropy of its logits for ``inputs`` against ``targets`` (harness/hf_model.py). (Its own ``labels=`` shifts the labels once
+more inside the model: given ``targets`` it would learn to predict the token two positions ahead.)
+
+Optional, for the logs: a ``flops_per_token`` attribute or method (training FLOPs per token, for MFU;
+without it the run reports no MFU). Every rank builds the model from the same seed (``build`` is called after
+``torch.manual_seed``), and DDP also broadcasts rank 0's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from .cli import ConfigError
+from .metrics import transformer_flops_per_token
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What ``--model`` names: how to build it, and what a checkpoint must match to resume into it."""
+
+    name: str  # the --model value, as given
+    identity: dict  # compared with a checkpoint's before resuming (harness.resume_file's must_match; its keys
+    # sit beside the checkpoint's own, "model" among them: none of them is "model")
+    build: Callable[[], "torch.nn.Module"]  # a module meeting the contract above, on the CPU
+    vocab_size: int | None = None  # the token ids the model takes (None: not a language model, or unknown)
+
+
+def model_spec(args, gpt: Callable | None = None, gpt_config=None) -> ModelSpec:
+    """The ModelSpec of ``args.model``: "gpt" builds ``gpt(gpt_config)`` (the recipe's recipes/gpt.py: the harness
+    does not import the model), "hf:DIR" a Hugging Face model, "MODULE:FACTORY" the user's. ConfigError, one
+    line, for anything that cannot be built."""
+    name = getattr(args, "model", "gpt")
+    if name == "gpt":
+        from dataclasses import asdict
+
+        return ModelSpec("gpt", {"model_cfg": asdict(gpt_config)}, lambda: gpt(gpt_config), gpt_config.vocab_size)
+    if name.startswith("hf:"):
+        return hugging_face_spec(name, args)
+    module_name, _, factory_name = name.rpartition(":")
+    if not module_name or not factory_name:
+        raise ConfigError(f"--model {name}: use gpt, hf:DIR (a Hugging Face model directory) or MODULE:FACTORY "
+                          "(your own, e.g. mymodel.py:build)")
+    return user_spec(name, module_name, factory_name, args)
+
+
+# ---- a Hugging Face model directory
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def hugging_face_spec(name: str, args) -> ModelSpec:
+    directory = Path(name.removeprefix("hf:")).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"--model {name}: {directory} is not a directory: give a Hugging Face model directory "
+                          "(config.json and model.safetensors, as save_pretrained writes them)")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"--model {name}: {directory} has no config.json: it is not a Hugging Face model directory")
+    if not any((directory / weights).is_file() for weights in WEIGHT_FILES):
+        raise ConfigError(f"--model {name}: {directory} has config.json but no weights ({', '.join(WEIGHT_FILES[:2])}): "
+                          "save the model with save_pretrained, or download it on a login node first")
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"--model {name} needs Hugging Face transformers, which {sys.executable} lacks: "
+                          "pip install the pinned version of requirements/frameworks.txt")
+    # Nothing from the network on a compute node: a model is a directory, read as it is.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # (and no progress bar on every rank of a job log for reading a few files)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"--model {name}: transformers cannot read {config_file} ({first[:160]})") from None
+    vocab_size = getattr(config, "vocab_size", None)
+    identity = {"model_name": f"hf:{directory.resolve()}",
+                "config_sha256": hashlib.sha256(config_file.read_bytes()).hexdigest()}
+
+    def build() -> "torch.nn.Module":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from .hf_model import CausalLMLoss
+
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        return CausalLMLoss(model, args.seq_len)
+
+    return ModelSpec(name, identity, build, vocab_size)
+
+
+# ---- your own model (and dataset: harness.data)
+
+
+def user_spec(name: str, module_name: str, factory_name: str, args) -> ModelSpec:
+    factory, module = import_factory("--model", name)
+
+    def build() -> "torch.nn.Module":
+        import torch
+
+        model = factory(args)
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"--model {name}: {factory_name}(args) returned {type(model).__name__}, not a "
+                              "torch.nn.Module whose forward(inputs, targets) returns the loss")
+        return model
+
+    return ModelSpec(name, {"model_name": name}, build, getattr(module, "VOCAB_SIZE", None))
+
+
+def import_factory(option: str, value: str):
+    """MODULE:FACTORY -> (the function, its module). MODULE: a file (path/to/mine.py) or a module on
+    PYTHONPATH (mypkg.models). ConfigError (one line) when it cannot be had."""
+    module_name, _, factory_name = value.rpartition(":")
+    if not module_name or not factory_name:
+        raise ConfigError(f"{option} {value}: give MODULE:FACTORY, e.g. path/to/mine.py:build or mypkg.mine:build")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            if not path.is_file():
+                raise ConfigError(f"{option} {value}: {path} is not a file")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = module  # (so that what it defines pickles: DataLoader workers, checkpoints)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 (whatever the user's module raises on import: one line)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{option} {value}: cannot import {module_name}: {type(error).__name__}: {first[:160]}") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ConfigError(f"{option} {value}: {module_name} has no function {factory_name}")
+    return factory, module
+
+
+def model_size(model: "torch.nn.Module") -> tuple[int, float | None]:
+    """(parameters, training FLOPs per token or None): what the logs and MFU need."""
+    if hasattr(model, "size"):  # the stack's GPT
+        return model.size()
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = getattr(model, "flops_per_token", None)
+    return n_params, (flops() if callable(flops) else flops)
+
+
+def check_model_vocabulary(spec: ModelSpec, vocab_size: int) -> None:
+    """The model must take every token id the data gives: --vocab-size (a token file's ids are checked
+    against --vocab-size already, harness.data)."""
+    if spec.vocab_size is not None and vocab_size > spec.vocab_size:
+        raise ConfigError(f"--model {spec.name} takes {spec.vocab_size} token ids, fewer than --vocab-size {vocab_size}: "
+                          f"use --vocab-size {spec.vocab_size} or less (and data tokenized for this model)")
+
+
+def check_export_option(args, spec: ModelSpec) -> None:
+    """--export-hf DIR: a Hugging Face model to export, and a directory that does not hold anything yet."""
+    target = getattr(args, "export_hf", None)
+    if target is None:
+        return
+    if not spec.name.startswith("hf:"):
+        raise ConfigError(f"--export-hf writes a Hugging Face model directory: it needs --model hf:DIR (this run "
+                          f"trains {spec.name}; its checkpoints are in --out-dir)")
+    target = Path(target)
+    if target.is_file() or (target.is_dir() and any(target.iterdir())):
+        raise ConfigError(f"--export-hf {target} exists and is not an empty directory: name a new one "
+                          "(an export never overwrites)")
+    existing = next(parent for parent in target.absolute().parents if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--export-hf {target}: cannot create it in {existing}: name a directory you can write")
+
+
+def export_trained_model(model: "torch.nn.Module", spec: ModelSpec, target: Path, recipe: str) -> None:
+    """--export-hf: the trained model (the CausalLMLoss a recipe trained, unwrapped) as a Hugging Face
+    directory that from_pretrained loads, with the source directory's tokenizer. One rank calls it."""
+    from .hf_model import export_hugging_face
+
+    files = export_hugging_face(model, Path(spec.name.removeprefix("hf:")), Path(target))
+    print(f"[{recipe}] exported the trained model to {target} ({', '.join(files)}): "
+          "AutoModelForCausalLM.from_pretrained loads it", flush=True)

@@ -1,0 +1,236 @@
+"""Your model instead of the stack's GPT (--model, recipes/harness/model.py): a Hugging Face causal LM from a
+local directory, and your own torch.nn.Module, on the DDP and accelerate recipes.
+
+Nothing is downloaded: the tests make a tiny Llama (LlamaConfig + save_pretrained, 106,816 parameters) and
+use recipes/examples/bigram.py. Parity as in tests/test_ddp_parity.py: 2 gloo ranks against 1 process on the
+same global batch, plain SGD, the per-step loss and the validation loss within 1e-5 relative, the ranks'
+parameters identical (checked inside the run), and the all-reduce skipped as the negative control, caught by
+more than 100x. The loss is the model's own: the recipe's loss on a sequence equals Hugging Face's
+``labels=`` loss on it, and the mistake that is easy to make with pre-shifted targets (``labels=targets``:
+shifted twice, the model learns the token two ahead) is caught by the same comparison.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (DDP_RECIPE, EVAL, REPO, assert_ok, eval_losses, losses, max_relative_difference, read_metrics,
+                      recipe_env, run, run_recipe)
+
+sys.path.insert(0, str(REPO / "recipes"))
+import harness  # noqa: E402
+
+LOSS_RTOL = 1e-5
+SHORT = ["--seq-len", "32", "--log-every", "1", "--global-batch", "8", "--max-steps", "4", "--checkpoint-every", "0",
+         "--no-resume", "--optimizer", "sgd", "--lr", "0.5", *EVAL]
+BIGRAM = f"{REPO / 'recipes' / 'examples' / 'bigram.py'}:build"
+FIELDS = REPO / "recipes" / "examples" / "fields.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A Llama-style causal LM saved as Hugging Face saves one: config.json and model.safetensors."""
+    directory = tmp_path_factory.mktemp("models") / "tiny-llama"
+    made = run([sys.executable, "-c", f"""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+LlamaForCausalLM(config).save_pretrained({str(directory)!r})
+"""], env=recipe_env(HF_HUB_DISABLE_PROGRESS_BARS="1"), timeout=300)
+    assert made.returncode == 0, made.stderr
+    assert (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+    (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # (a tokenizer file to carry)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def fields_file(tmp_path_factory) -> Path:
+    """recipes/examples/fields.py's HDF5 file of 2D fields and their next heat-equation step (h5py)."""
+    path = tmp_path_factory.mktemp("fields") / "fields.h5"
+    made = run([sys.executable, str(FIELDS), "--out", str(path), "--train", "128", "--validation", "32", "--size", "16"],
+               env=recipe_env(), timeout=120)
+    assert made.returncode == 0 and path.is_file(), made.stderr
+    return path
+
+
+def model_args(which: str, tiny_llama: Path, fields_file: Path) -> list[str]:
+    return {"hugging-face": ["--model", f"hf:{tiny_llama}"], "own-module": ["--model", BIGRAM],
+            "own-data": ["--model", f"{FIELDS}:model", "--dataset", f"{FIELDS}:dataset", "--data", str(fields_file)],
+            }[which]
+
+
+def parity_runs(tmp_path: Path, model: list[str], *control: str) -> tuple[dict, dict, subprocess.CompletedProcess]:
+    single, parallel = tmp_path / "single", tmp_path / "parallel"
+    assert_ok(run_recipe(DDP_RECIPE, single, 1, *model, *SHORT))
+    result = run_recipe(DDP_RECIPE, parallel, 2, *model, *SHORT, *control)
+    return read_metrics(single), read_metrics(parallel), result
+
+
+@pytest.mark.parametrize("which", ["hugging-face", "own-module", "own-data"])
+def test_your_model_on_two_ddp_ranks_matches_one_process(tiny_llama, fields_file, tmp_path, which):
+    """own-data: a CNN on an HDF5 file of fields through --dataset, read ahead by 2 workers per rank in the
+    parallel run (the same batches as without: the rows of a step depend on the step only)."""
+    arguments = model_args(which, tiny_llama, fields_file)
+    model = arguments[1]
+    reference, metrics, result = parity_runs(tmp_path, arguments, *(["--data-workers", "2"] if which == "own-data" else []))
+    assert_ok(result)
+    # It really was parallel, on this model: from inside the run.
+    assert (metrics["world_size"], metrics["backend"], metrics["model_wrapper"]) == (2, "gloo", "DistributedDataParallel")
+    assert metrics["model"] == model and reference["model"] == model and reference["model_wrapper"] != "DistributedDataParallel"
+    assert metrics["param_max_abs_diff_across_ranks"] == 0.0
+    assert len(losses(metrics)) == 4 and max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
+    assert len(eval_losses(metrics)) == 2 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
+    if which == "hugging-face":  # MFU from the model's config; the bigram says it has none
+        assert metrics["summary"]["mean_mfu"] > 0 and "MFU" in result.stdout
+    else:
+        assert metrics["summary"]["mean_mfu"] is None and "MFU n/a" in result.stdout
+    if which == "own-data":  # fields, not tokens: no tokens/s; and the CNN learns the stencil
+        assert metrics["summary"]["mean_tokens_per_s"] is None and "tokens/s" not in result.stdout
+        assert losses(metrics)[-1] < losses(metrics)[0] / 2
+
+
+def test_a_hugging_face_model_through_accelerate_matches_one_process(tiny_llama, tmp_path):
+    """The accelerate recipe takes --model too: `accelerate launch --multi_gpu` on 2 gloo ranks against 1
+    process, with 2 micro-batches per rank and step (gradient accumulation)."""
+    from test_accelerate import RECIPE as ACCELERATE, accelerate_launch
+
+    args = ["--model", f"hf:{tiny_llama}", *SHORT, "--grad-accum", "2"]
+    assert_ok(run_recipe(ACCELERATE, tmp_path / "single", 1, *args))
+    assert_ok(accelerate_launch(tmp_path / "parallel", 2, *args))
+    reference, metrics = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "parallel")
+    assert (metrics["world_size"], metrics["model_wrapper"], metrics["model"]) == (2, "DistributedDataParallel", f"hf:{tiny_llama}")
+    assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
+    assert max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
+
+
+@pytest.mark.parametrize("which", ["hugging-face", "own-data"])
+def test_the_negative_control_is_caught_on_your_model(tiny_llama, fields_file, tmp_path, which):
+    """DDP's gradient all-reduce skipped: the loss leaves the tolerance by far, and the run fails itself."""
+    reference, metrics, result = parity_runs(tmp_path, model_args(which, tiny_llama, fields_file), "--skip-grad-allreduce")
+    assert result.returncode != 0 and "parameters differ across ranks" in result.stderr
+    assert max_relative_difference(losses(metrics), losses(reference)) > 100 * LOSS_RTOL
+
+
+def test_the_loss_is_the_models_own_labels_loss_and_a_double_shift_is_caught(tiny_llama):
+    """On the same tokens, the recipe's loss (logits for inputs against targets = inputs one ahead) equals the
+    model's own labels= loss on the whole sequence (it shifts inside). The control, labels=targets, shifts
+    twice. An untrained model predicts every token almost alike (the two losses differed by 0.08%), so the
+    model first learns a sequence through the recipe's loss; the double shift then asks it for the token two
+    ahead, which it does not predict."""
+    args = harness.new_parser("").parse_args([])
+    args.model, args.seq_len = f"hf:{tiny_llama}", 32
+    spec = harness.model_spec(args)
+    wrapped = spec.build()
+    torch.manual_seed(1)
+    tokens = (torch.arange(33) * 7 + torch.arange(4)[:, None] * 31) % 256  # 4 rows, each its own steps of 7
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for _ in range(40):
+        wrapped(inputs, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        ours = float(wrapped(inputs, targets))
+        theirs = float(wrapped.model(input_ids=tokens, labels=tokens).loss)
+        shifted_twice = float(wrapped.model(input_ids=inputs, labels=targets).loss)
+    assert abs(ours - theirs) / theirs <= 1e-6, (ours, theirs)
+    assert theirs < 0.5 and abs(shifted_twice - theirs) / theirs > 100 * LOSS_RTOL, (shifted_twice, theirs)
+
+
+@pytest.mark.parametrize("recipe", ["ddp", "accelerate"])
+def test_the_exported_model_loads_and_gives_the_trained_models_logits(tiny_llama, tmp_path, recipe):
+    """--export-hf DIR after 2 ranks trained: from_pretrained(DIR) on one process gives the logits of the
+    trained weights (the run's last checkpoint, loaded into the source model) within 1e-5, and the
+    source's tokenizer files come along; the export differs from the untrained model (it really trained)."""
+    from transformers import AutoModelForCausalLM
+
+    export = tmp_path / "exported"
+    args = ["--model", f"hf:{tiny_llama}", *SHORT, "--export-hf", str(export)]
+    if recipe == "ddp":
+        result = run_recipe(DDP_RECIPE, tmp_path / "run", 2, *args)
+    else:
+        from test_accelerate import accelerate_launch
+
+        result = accelerate_launch(tmp_path / "run", 2, *args)
+    assert_ok(result)
+    assert f"exported the trained model to {export}" in result.stdout
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in export.iterdir()}
+    assert not export.with_name("exported.partial").exists()
+
+    trained = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True)
+    if recipe == "ddp":
+        state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000004.pt", weights_only=True)["model"]
+    else:  # accelerate's save_state (torch's format)
+        state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000004" / "pytorch_model.bin", weights_only=True)
+    trained.load_state_dict({name.removeprefix("model."): tensor for name, tensor in state.items()})
+    exported = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
+    untrained = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs, before = (m(input_ids=tokens).logits for m in (exported, trained, untrained))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (ours - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("which", ["hugging-face", "own-data"])
+def test_your_model_resumes_on_the_same_curve(tiny_llama, fields_file, tmp_path, which):
+    """Stopped after step 2 and run again: the losses of an uninterrupted run, to the bit (the model's state,
+    the optimizer's and, for --dataset, the data position: the step)."""
+    args = [*model_args(which, tiny_llama, fields_file), *SHORT[:-len(EVAL)], "--checkpoint-every", "2"]
+    args.remove("--no-resume")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert_ok(run_recipe(DDP_RECIPE, straight, 2, *args))
+    assert_ok(run_recipe(DDP_RECIPE, stopped, 2, *args, "--stop-at-step", "2"))
+    resumed = run_recipe(DDP_RECIPE, stopped, 2, *args)
+    assert_ok(resumed)
+    assert "(step 2)" in resumed.stdout
+    assert losses(read_metrics(stopped)) == losses(read_metrics(straight))
+
+
+@pytest.mark.parametrize("case", ["missing", "not-a-model", "no-weights", "small-vocabulary", "no-module",
+                                  "no-factory", "not-a-module", "no-form", "export-not-hf", "export-exists",
+                                  "dataset-no-module", "dataset-not-tensors", "dataset-empty", "dataset-fails"])
+def test_a_model_that_cannot_be_used_is_one_line_before_any_rank(tiny_llama, tmp_path, case):
+    """--preflight (what slurm/lib/launch.sh runs before srun) and a plain run: one line, exit 2."""
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "config.json").write_text((tiny_llama / "config.json").read_text())
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "mine.py").write_text("import torch\ndef build(args):\n    return 'not a module'\n"
+                                      "def numbers(args, split):\n    return list(range(10))\n"
+                                      "def nothing(args, split):\n    return []\n")
+    model, extra, message = {
+        "missing": (f"hf:{tmp_path}/nowhere", [], f"--model hf:{tmp_path}/nowhere: {tmp_path}/nowhere is not a directory"),
+        "not-a-model": (f"hf:{tmp_path}/empty", [], "has no config.json: it is not a Hugging Face model directory"),
+        "no-weights": (f"hf:{tmp_path}/config-only", [], "has config.json but no weights (model.safetensors"),
+        "small-vocabulary": (f"hf:{tiny_llama}", ["--vocab-size", "300"],
+                             "takes 256 token ids, fewer than --vocab-size 300: use --vocab-size 256 or less"),
+        "no-module": ("no_such_module:build", [], "cannot import no_such_module: ModuleNotFoundError"),
+        "no-factory": (f"{tmp_path}/mine.py:make", [], f"{tmp_path}/mine.py has no function make"),
+        "not-a-module": (f"{tmp_path}/mine.py:build", [], "build(args) returned str, not a torch.nn.Module"),
+        "no-form": ("llama", [], "--model llama: use gpt, hf:DIR (a Hugging Face model directory) or MODULE:FACTORY"),
+        "export-not-hf": (BIGRAM, ["--export-hf", str(tmp_path / "out")], "--export-hf writes a Hugging Face model "
+                          "directory: it needs --model hf:DIR"),
+        "export-exists": (f"hf:{tiny_llama}", ["--export-hf", str(tmp_path / "mine.py")],
+                          f"--export-hf {tmp_path}/mine.py exists and is not an empty directory"),
+        "dataset-no-module": ("gpt", ["--dataset", "no_such_data:build"], "cannot import no_such_data: ModuleNotFoundError"),
+        "dataset-not-tensors": ("gpt", ["--dataset", f"{tmp_path}/mine.py:numbers"],
+                                "item 0 of its train data is int, not a pair of tensors (inputs, targets)"),
+        "dataset-empty": ("gpt", ["--dataset", f"{tmp_path}/mine.py:nothing"], "its train data has no items"),
+        "dataset-fails": ("gpt", ["--dataset", f"{FIELDS}:dataset", "--data", f"{tmp_path}/none.h5"],
+                          f"its train data fails: FileNotFoundError: --data {tmp_path}/none.h5 is not an HDF5 file"),
+    }[case]
+    # (the factory's result is known only once it is built: on each rank, before the first step)
+    for preflight in ([] if case == "not-a-module" else [["--preflight", "2"]]) + [[]]:
+        result = run([sys.executable, str(DDP_RECIPE), "--out-dir", str(tmp_path / "run"), "--model", model, *extra,
+                      "--max-steps", "1", *preflight], env=recipe_env(), timeout=120)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[ddp] error: --"), result.stderr
+        assert message in lines[0], lines[0]
+        assert not (tmp_path / "run" / "metrics.json").exists()
