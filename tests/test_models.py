@@ -1,5 +1,5 @@
 """Your model instead of the stack's GPT (--model, recipes/harness/model.py): a Hugging Face causal LM from a
-local directory, and your own torch.nn.Module, on the DDP and accelerate recipes.
+local directory, and your own torch.nn.Module and dataset, on the DDP, accelerate and DeepSpeed (ZeRO) recipes.
 
 Nothing is downloaded: the tests make a tiny Llama (LlamaConfig + save_pretrained, 106,816 parameters) and
 use recipes/examples/bigram.py. Parity as in tests/test_ddp_parity.py: 2 gloo ranks against 1 process on the
@@ -108,6 +108,34 @@ def test_a_hugging_face_model_through_accelerate_matches_one_process(tiny_llama,
     assert (metrics["world_size"], metrics["model_wrapper"], metrics["model"]) == (2, "DistributedDataParallel", f"hf:{tiny_llama}")
     assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
     assert max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
+
+
+def test_a_hugging_face_model_on_zero3_matches_one_process_and_exports_whole(tiny_llama, tmp_path):
+    """The DeepSpeed recipe: ZeRO-3 on 2 ranks (parameters, gradients and optimizer state sharded) against 1
+    process at ZeRO-0, within 1e-5; --export-hf gathers the shards: the exported model gives the logits of the
+    one-process run's export within 1e-5 (and not the untrained model's). The control, the ranks' gradients
+    summed instead of averaged, is caught by more than 100x."""
+    from test_deepspeed import RECIPE as DEEPSPEED, torchrun
+    from transformers import AutoModelForCausalLM
+
+    args = ["--model", f"hf:{tiny_llama}", *SHORT]
+    assert_ok(run_recipe(DEEPSPEED, tmp_path / "single", 1, "--zero-stage", "0", *args, "--export-hf", str(tmp_path / "one")))
+    assert_ok(torchrun(tmp_path / "zero3", 2, "--zero-stage", "3", *args, "--export-hf", str(tmp_path / "sharded")))
+    reference, metrics = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "zero3")
+    assert (metrics["world_size"], metrics["zero_stage"], metrics["model"]) == (2, 3, f"hf:{tiny_llama}")
+    assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
+    assert max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        one, sharded, untrained = (AutoModelForCausalLM.from_pretrained(d, local_files_only=True)(input_ids=tokens).logits
+                                   for d in (tmp_path / "one", tmp_path / "sharded", tiny_llama))
+    torch.testing.assert_close(sharded, one, rtol=1e-5, atol=1e-5)
+    assert (sharded - untrained).abs().max() > 1e-3
+    summed = torchrun(tmp_path / "control", 2, "--zero-stage", "3", *args, "--test-break", "grad-sum")
+    assert max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)) > 100 * LOSS_RTOL, summed.stderr
+    piped = run([sys.executable, str(DEEPSPEED), "--out-dir", str(tmp_path / "pp"), *args, "--pp", "2", "--preflight", "2"],
+                env=recipe_env(), timeout=120)
+    assert piped.returncode == 2 and "the pipeline splits the stack's GPT" in piped.stderr, piped.stderr
 
 
 @pytest.mark.parametrize("which", ["hugging-face", "own-data"])

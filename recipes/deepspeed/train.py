@@ -22,6 +22,10 @@ loss curve of one process.
     sbatch slurm/deepspeed.sh --zero-stage 3
     sbatch slurm/deepspeed.sh --pp auto --grad-accum 8
 
+    # a Hugging Face causal LM saved in a directory, or your own module and data, instead of the GPT (ZeRO,
+    # not the pipeline: harness/model.py); --export-hf gathers ZeRO-3's shards into one directory
+    torchrun --standalone --nproc_per_node=2 recipes/deepspeed/train.py --zero-stage 3 --model hf:$SCRATCH/models/my-llama
+
 The DeepSpeed config is recipes/deepspeed/ds_config.json (or --ds-config FILE). "auto" values are filled
 in here: train_batch_size from --global-batch, bf16 on GPU and fp32 on CPU. --zero-stage, --global-batch,
 --grad-accum and --lr override the file. gradient_clipping is 0 in the file on purpose: DeepSpeed's default
@@ -44,7 +48,6 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -85,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged (no --pp)"}, other={
         "accum-sum": "the micro-batches' gradients summed instead of averaged (no --pp; needs --grad-accum > 1)",
         "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True)
 
 
 def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool, pp: int = 1) -> dict:
@@ -214,13 +217,20 @@ def check_resumable(resume_from: Path | None, state: dict | None, stage: int, wo
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_cfg = GPTConfig.from_args(args)
+    # the stack's GPT, or --model hf:DIR (a Hugging Face model) or MODULE:FACTORY (yours): harness/model.py
+    spec = harness.model_spec(args, gpt=GPT, gpt_config=model_cfg)
     on_gpu = torch.cuda.is_available()
     world_size = args.preflight if args.preflight is not None else harness.detect_dist_env().world_size
     ds_config, pp = validate(args, world_size, on_gpu)
+    harness.check_model_vocabulary(spec, args.vocab_size)
+    harness.check_export_option(args, spec)
+    if pp > 1 and (spec.name != "gpt" or getattr(args, "dataset", None)):
+        raise harness.ConfigError(f"--model {spec.name} / --dataset with --pp {pp}: the pipeline splits the stack's GPT "
+                                  "into stages (recipes/deepspeed/pipeline.py); train your model with ZeRO (--pp 1)")
     stage, accum = ds_config["zero_optimization"]["stage"], ds_config["gradient_accumulation_steps"]
     global_batch, micro_rows = ds_config["train_batch_size"], ds_config["train_micro_batch_size_per_gpu"]
     sgd_lr, dp = ds_config.pop("client_sgd_lr", None), world_size // pp
-    must_match = {"model_cfg": asdict(model_cfg), "global_batch": global_batch,  # to resume a checkpoint
+    must_match = {**spec.identity, "global_batch": global_batch,  # to resume a checkpoint
                   "optimizer_name": args.optimizer}
     resume_from, trainer_state = harness.resume_dir(args, must_match)
     check_resumable(resume_from, trainer_state, stage, world_size, pp)
@@ -256,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                                      loss_fn)
     else:
         torch.manual_seed(args.seed)
-        model = GPT(model_cfg)
-        size = model.size()  # before the engine takes the parameters (ZeRO-3 replaces them by shards)
+        model = spec.build()
+        size = harness.model_size(model)  # before the engine takes the parameters (ZeRO-3 replaces them by shards)
     parameters = [p for p in model.parameters() if p.requires_grad]
     client_optimizer = torch.optim.SGD(parameters, lr=sgd_lr) if sgd_lr else None
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, optimizer=client_optimizer,
@@ -287,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run_info = {**harness.describe_run(env, backend, device, type(engine).__name__, pp=pp, dp=dp),
                 "deepspeed_version": deepspeed.__version__, "zero_stage": stage, "grad_accum": accum,
-                "ds_config": ds_config, "dtype": str(dtype), "hostnames": hostnames}
+                "ds_config": ds_config, "dtype": str(dtype), "hostnames": hostnames, "model": spec.name}
     metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=env.world_size,
                                     size=size, peak=harness.peak_flops(device, dtype, args.peak_tflops))
 
@@ -361,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     with deepspeed.zero.GatheredParameters(parameters, enabled=stage == 3):
         spread = harness.max_difference_across_ranks(parameters, dp, group=group)
     exit_code = run.finish(metrics, spread)
+    if args.export_hf and exit_code == 0 and run.last_step == args.max_steps:  # (a finished run)
+        # ZeRO-3: every rank takes part in gathering the shards; rank 0 writes the whole model
+        with deepspeed.zero.GatheredParameters(parameters, enabled=stage == 3):
+            if is_rank0:
+                harness.export_trained_model(engine.module, spec, args.export_hf, RECIPE)
     engine.destroy()  # the engine holds the process group: drop it before leaving the group
     del engine
     harness.leave_process_group()
