@@ -8,9 +8,9 @@
 
 The contract: ``module(inputs, targets)`` returns the batch's mean loss, a scalar tensor. ``inputs`` and
 ``targets`` are what the data gives each step: for token data, (batch, seq_len) token ids and the same
-tokens one position later. A Hugging Face model is wrapped (``CausalLMLoss``) so that it meets it: the
-cross-entropy of its logits for ``inputs`` against ``targets`` (harness/hf_model.py). (Its own ``labels=`` shifts the labels once
-more inside the model: given ``targets`` it would learn to predict the token two positions ahead.)
+tokens one position later. A Hugging Face model is wrapped (``CausalLMLoss``, harness/hf_model.py) so that
+it meets it: the cross-entropy of its logits for ``inputs`` against ``targets``. (Its own ``labels=`` shifts
+the labels once more inside the model: given ``targets`` it would learn to predict the token two ahead.)
 
 Optional, for the logs: a ``flops_per_token`` attribute or method (training FLOPs per token, for MFU;
 without it the run reports no MFU). Every rank builds the model from the same seed (``build`` is called after
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .cli import ConfigError
-from .metrics import transformer_flops_per_token
 
 if TYPE_CHECKING:
     import torch
@@ -57,11 +56,10 @@ def model_spec(args, gpt: Callable | None = None, gpt_config=None) -> ModelSpec:
         return ModelSpec("gpt", {"model_cfg": asdict(gpt_config)}, lambda: gpt(gpt_config), gpt_config.vocab_size)
     if name.startswith("hf:"):
         return hugging_face_spec(name, args)
-    module_name, _, factory_name = name.rpartition(":")
-    if not module_name or not factory_name:
+    if ":" not in name.strip(":"):
         raise ConfigError(f"--model {name}: use gpt, hf:DIR (a Hugging Face model directory) or MODULE:FACTORY "
                           "(your own, e.g. mymodel.py:build)")
-    return user_spec(name, module_name, factory_name, args)
+    return user_spec(name, args)
 
 
 # ---- a Hugging Face model directory
@@ -114,19 +112,19 @@ def hugging_face_spec(name: str, args) -> ModelSpec:
 # ---- your own model (and dataset: harness.data)
 
 
-def user_spec(name: str, module_name: str, factory_name: str, args) -> ModelSpec:
-    factory, module = import_factory("--model", name)
+def user_spec(name: str, args) -> ModelSpec:
+    factory, _ = import_factory("--model", name)
 
     def build() -> "torch.nn.Module":
         import torch
 
         model = factory(args)
         if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"--model {name}: {factory_name}(args) returned {type(model).__name__}, not a "
+            raise ConfigError(f"--model {name}: {factory.__name__}(args) returned {type(model).__name__}, not a "
                               "torch.nn.Module whose forward(inputs, targets) returns the loss")
         return model
 
-    return ModelSpec(name, {"model_name": name}, build, getattr(module, "VOCAB_SIZE", None))
+    return ModelSpec(name, {"model_name": name}, build)
 
 
 def import_factory(option: str, value: str):
