@@ -409,3 +409,34 @@ def shifter_pull(*images: str) -> None:
         result = run([str(REPO / SHIFTER_STAND_IN / "shifterimg"), "pull", f"docker:hpcml/{image}:cpu"],
                      env={**os.environ, "SHIFTER_GATEWAY_DIR": str(SHIFTER_GATEWAY)}, timeout=300)
         assert result.returncode == 0, result.stderr
+
+
+# ---- models and data a user brings (tests/test_models.py, tests/test_fine_tuning.py): made here, nothing downloaded
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A Llama-style causal LM saved as Hugging Face saves one: config.json and model.safetensors."""
+    directory = tmp_path_factory.mktemp("models") / "tiny-llama"
+    made = run([sys.executable, "-c", f"""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+LlamaForCausalLM(config).save_pretrained({str(directory)!r})
+"""], env=recipe_env(HF_HUB_DISABLE_PROGRESS_BARS="1"), timeout=300)
+    assert made.returncode == 0, made.stderr
+    assert (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+    (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # (a tokenizer file to carry)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def fields_file(tmp_path_factory) -> Path:
+    """recipes/examples/fields.py's HDF5 file of 2D fields and their next heat-equation step (h5py)."""
+    path = tmp_path_factory.mktemp("fields") / "fields.h5"
+    made = run([sys.executable, str(REPO / "recipes" / "examples" / "fields.py"), "--out", str(path), "--train", "128", "--validation", "32", "--size", "16"],
+               env=recipe_env(), timeout=120)
+    assert made.returncode == 0 and path.is_file(), made.stderr
+    return path

@@ -535,3 +535,28 @@ def test_with_your_own_dataset_data_is_a_file_not_a_token_prefix(tmp_path):
     assert missing.startswith(f"launch: error: --data {tmp_path}/no.h5 is not readable on the batch node"), missing
     token_prefix = one_line_error(launch("--data", str(fields), **job))  # without --dataset: a token file
     assert f"{fields}.json is not readable" in token_prefix, token_prefix
+
+
+def test_your_model_directory_and_code_must_be_on_the_batch_node_and_mounted(tmp_path):
+    """--model hf:DIR and --model/--dataset FILE.py:FACTORY are checked as --data is: readable on the batch
+    node, and under podman/podman-hpc inside a mounted directory (the line names the CONTAINER_MOUNTS that
+    fixes it). A module on PYTHONPATH (mypkg.models:build) is left to the recipe's own preflight."""
+    models = tmp_path / "models"
+    (models / "llama").mkdir(parents=True)
+    (models / "mine.py").write_text("def build(args): ...\n")
+    job = dict(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1")
+    assert launch("--model", f"hf:{models}/llama", **job).returncode == 0
+    missing = one_line_error(launch("--model", f"hf:{models}/gone", **job))
+    assert missing.startswith(f"launch: error: --model hf:{models}/gone: {models}/gone is not a directory readable "
+                              "on the batch node"), missing
+    code = one_line_error(launch(f"--dataset={models}/none.py:dataset", **job))
+    assert f"--dataset {models}/none.py:dataset: {models}/none.py is not a file readable on the batch node" in code
+    assert launch("--model", "mypkg.models:build", **job).returncode == 0
+    for runtime in ("podman", "podman-hpc"):
+        image = dict(CONTAINER_IMAGE="me/ddp:v1", CONTAINER_RUNTIME=runtime, LAUNCH_DRY_RUN="1")
+        for option in (["--model", f"hf:{models}/llama"], ["--model", f"{models}/mine.py:build"]):
+            error = one_line_error(launch(*option, **image))
+            assert f"{' '.join(option)} is not in any directory mounted into the {runtime} containers" in error, error
+            assert f'CONTAINER_MOUNTS="{models}' in error
+            mounted = launch(*option, **image, CONTAINER_MOUNTS=str(models))
+            assert mounted.returncode == 0 and str(models) in mounts(srun_line(mounted)), mounted.stderr

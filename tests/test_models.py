@@ -30,34 +30,7 @@ SHORT = ["--seq-len", "32", "--log-every", "1", "--global-batch", "8", "--max-st
          "--no-resume", "--optimizer", "sgd", "--lr", "0.5", *EVAL]
 BIGRAM = f"{REPO / 'recipes' / 'examples' / 'bigram.py'}:build"
 FIELDS = REPO / "recipes" / "examples" / "fields.py"
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    """A Llama-style causal LM saved as Hugging Face saves one: config.json and model.safetensors."""
-    directory = tmp_path_factory.mktemp("models") / "tiny-llama"
-    made = run([sys.executable, "-c", f"""
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-LlamaForCausalLM(config).save_pretrained({str(directory)!r})
-"""], env=recipe_env(HF_HUB_DISABLE_PROGRESS_BARS="1"), timeout=300)
-    assert made.returncode == 0, made.stderr
-    assert (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
-    (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # (a tokenizer file to carry)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def fields_file(tmp_path_factory) -> Path:
-    """recipes/examples/fields.py's HDF5 file of 2D fields and their next heat-equation step (h5py)."""
-    path = tmp_path_factory.mktemp("fields") / "fields.h5"
-    made = run([sys.executable, str(FIELDS), "--out", str(path), "--train", "128", "--validation", "32", "--size", "16"],
-               env=recipe_env(), timeout=120)
-    assert made.returncode == 0 and path.is_file(), made.stderr
-    return path
+EXPORT = REPO / "recipes" / "export_hf.py"
 
 
 def model_args(which: str, tiny_llama: Path, fields_file: Path) -> list[str]:
@@ -111,10 +84,12 @@ def test_a_hugging_face_model_through_accelerate_matches_one_process(tiny_llama,
 
 
 def test_a_hugging_face_model_on_zero3_matches_one_process_and_exports_whole(tiny_llama, tmp_path):
-    """The DeepSpeed recipe: ZeRO-3 on 2 ranks (parameters, gradients and optimizer state sharded) against 1
-    process at ZeRO-0, within 1e-5; --export-hf gathers the shards: the exported model gives the logits of the
-    one-process run's export within 1e-5 (and not the untrained model's). The control, the ranks' gradients
-    summed instead of averaged, is caught by more than 100x."""
+    """The DeepSpeed recipe: ZeRO-3 on 2 ranks (parameters, gradients and optimizer state sharded; the model
+    loaded straight into shards through transformers' zero.Init integration) against 1 process at ZeRO-0,
+    within 1e-5; --export-hf gathers the shards: the exported model gives the logits of the one-process run's
+    export within 1e-5 (and not the untrained model's), and recipes/export_hf.py on the run's ZeRO-3
+    checkpoint writes the same model. The control, the ranks' gradients summed instead of averaged, is
+    caught by more than 100x."""
     from test_deepspeed import RECIPE as DEEPSPEED, torchrun
     from transformers import AutoModelForCausalLM
 
@@ -123,6 +98,7 @@ def test_a_hugging_face_model_on_zero3_matches_one_process_and_exports_whole(tin
     assert_ok(torchrun(tmp_path / "zero3", 2, "--zero-stage", "3", *args, "--export-hf", str(tmp_path / "sharded")))
     reference, metrics = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "zero3")
     assert (metrics["world_size"], metrics["zero_stage"], metrics["model"]) == (2, 3, f"hf:{tiny_llama}")
+    assert metrics["loaded_partitioned"] and not reference["loaded_partitioned"]
     assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
     assert max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
@@ -131,6 +107,13 @@ def test_a_hugging_face_model_on_zero3_matches_one_process_and_exports_whole(tin
                                    for d in (tmp_path / "one", tmp_path / "sharded", tiny_llama))
     torch.testing.assert_close(sharded, one, rtol=1e-5, atol=1e-5)
     assert (sharded - untrained).abs().max() > 1e-3
+    exported = run([sys.executable, str(EXPORT), str(tmp_path / "zero3"), "--out", str(tmp_path / "again")],
+                   env=recipe_env(), timeout=300)
+    assert_ok(exported)
+    assert "read a DeepSpeed ZeRO checkpoint" in exported.stdout
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", local_files_only=True)(input_ids=tokens).logits
+    torch.testing.assert_close(again, sharded, rtol=0, atol=1e-6)
     summed = torchrun(tmp_path / "control", 2, "--zero-stage", "3", *args, "--test-break", "grad-sum")
     assert max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)) > 100 * LOSS_RTOL, summed.stderr
     piped = run([sys.executable, str(DEEPSPEED), "--out-dir", str(tmp_path / "pp"), *args, "--pp", "2", "--preflight", "2"],
@@ -205,6 +188,14 @@ def test_the_exported_model_loads_and_gives_the_trained_models_logits(tiny_llama
         ours, theirs, before = (m(input_ids=tokens).logits for m in (exported, trained, untrained))
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert (ours - before).abs().max() > 1e-3
+    # recipes/export_hf.py on the run directory (its newest checkpoint): the same model
+    exported = run([sys.executable, str(EXPORT), str(tmp_path / "run"), "--out", str(tmp_path / "again")],
+                   env=recipe_env(), timeout=300)
+    assert_ok(exported)
+    assert {"ddp": "the DDP recipe's checkpoint file", "accelerate": "accelerate's save_state"}[recipe] in exported.stdout
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", local_files_only=True)(input_ids=tokens).logits
+    torch.testing.assert_close(again, ours, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("which", ["hugging-face", "own-data"])

@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the accelerate config file `accelerate launch --config_file` was given: checked against "
                         "the world size (slurm/accelerate.sh passes it)")
     harness.add_optimizer_option(p)
+    harness.add_schedule_options(p)
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: skip the gradient averaging (the parity check's negative control)")
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged"}, other={
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     # the stack's GPT, or --model hf:DIR (a Hugging Face model) or MODULE:FACTORY (yours): harness/model.py
     spec = harness.model_spec(args, gpt=GPT, gpt_config=GPTConfig.from_args(args))
     must_match = {**spec.identity, "global_batch": args.global_batch,  # to resume a checkpoint
-                  "optimizer_name": args.optimizer}
+                  "optimizer_name": args.optimizer, **harness.schedule_identity(args)}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         validate(args, args.preflight, spec, harness.nodes_in_job())
         resume_from, _ = harness.resume_dir(args, must_match)
@@ -213,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
                                    accelerator.process_index, world_size, device)  # (--data-workers: read ahead)
     for step, (inputs, targets) in zip(run.steps(), batches):
-        step_loss = torch.zeros((), device=device)
+        step_loss, norm = torch.zeros((), device=device), None
+        lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
+        harness.set_learning_rate(optimizer, lr)
         for micro in range(args.grad_accum):
             rows = slice(micro * micro_rows, (micro + 1) * micro_rows)
             skip_sync = accelerator.no_sync(model) if args.skip_grad_allreduce else contextlib.nullcontext()
@@ -224,11 +227,14 @@ def main(argv: list[str] | None = None) -> int:
                 # over the ranks. The test breaks undo one of the two.
                 scale = {"grad-sum": world_size, "accum-sum": args.grad_accum}.get(args.test_break, 1)
                 accelerator.backward(loss * scale)
+                if accelerator.sync_gradients:  # the step's last micro-batch: the gradients are whole
+                    norm = float(accelerator.clip_grad_norm_(model.parameters(),
+                                                             args.clip_grad if args.clip_grad > 0 else float("inf")))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             step_loss += loss.detach() / args.grad_accum
         global_loss = harness.mean_across_ranks(step_loss, world_size)  # also synchronises the step for timing
-        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), args.lr)
+        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):

@@ -62,12 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU speed; slow to start)")
     harness.add_optimizer_option(p)
+    harness.add_schedule_options(p)
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: skip DDP's gradient averaging (the parity check's negative control)")
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged"}, other={
         "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state",
         "resume-data-from-start": "a resumed run reads the data from the first batch again"})
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True, lora=True)
 
 
 def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec) -> None:
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     # the stack's GPT, or --model hf:DIR (a Hugging Face model) or MODULE:FACTORY (yours): harness/model.py
     spec = harness.model_spec(args, gpt=GPT, gpt_config=GPTConfig.from_args(args))
     must_match = {**spec.identity, "global_batch": args.global_batch,  # to resume a checkpoint
-                  "optimizer_name": args.optimizer}
+                  "optimizer_name": args.optimizer, **harness.schedule_identity(args)}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         validate(args, args.preflight, spec)
         resume_from, _ = harness.resume_file(args, must_match)
@@ -163,10 +164,13 @@ def main(argv: list[str] | None = None) -> int:
             loss = model(inputs, targets)
             # DDP averages the gradients across ranks here, overlapped with backward. (grad-sum: a sum.)
             (loss * env.world_size if args.test_break == "grad-sum" else loss).backward()
+        norm = harness.clip_gradients(raw_model.parameters(), args.clip_grad)  # (--clip-grad; the norm for the logs)
+        lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
+        harness.set_learning_rate(optimizer, lr)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         global_loss = harness.mean_across_ranks(loss, env.world_size)  # also synchronises the step for timing
-        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), args.lr)
+        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):  # checkpoints when due; True: --stop-at-step, SIGUSR1 or SIGTERM

@@ -28,8 +28,9 @@ loss curve of one process.
 
 The DeepSpeed config is recipes/deepspeed/ds_config.json (or --ds-config FILE). "auto" values are filled
 in here: train_batch_size from --global-batch, bf16 on GPU and fp32 on CPU. --zero-stage, --global-batch,
---grad-accum and --lr override the file. gradient_clipping is 0 in the file on purpose: DeepSpeed's default
-(1.0) clips, which a plain PyTorch loop does not. The optimizer is torch's AdamW ("torch_adam": true), so
+--grad-accum, --lr and --clip-grad override the file. gradient_clipping is 0 in the file on purpose: DeepSpeed's
+default (1.0) clips, which a plain PyTorch loop does not. --lr-schedule and --warmup-steps set the optimizer's
+rate before every step (the config's "scheduler" is not used). The optimizer is torch's AdamW ("torch_adam": true), so
 no op is compiled at start-up. Batch sizes that do not fit the world size are refused before any rank
 starts, with the numbers; with --pp the batch is micro x --grad-accum (the micro-batches) x DP.
 Checkpoints are DeepSpeed's (every rank writes its shard; the pipeline one file per layer) in
@@ -85,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TESTS ONLY, wrong on purpose: skip the gradient averaging over DP (ZeRO 0/1; a negative control)")
     p.add_argument("--test-last-microbatch-loss", action="store_true",
                    help="TESTS ONLY, wrong on purpose: --pp trains on the last micro-batch's loss only (a negative control)")
+    harness.add_schedule_options(p)
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged (no --pp)"}, other={
         "accum-sum": "the micro-batches' gradients summed instead of averaged (no --pp; needs --grad-accum > 1)",
         "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
@@ -156,6 +158,8 @@ def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool, p
     if args.lr is not None:
         optimizer["params"]["lr"] = args.lr
     lr = optimizer["params"]["lr"]
+    if args.clip_grad > 0:
+        config["gradient_clipping"] = args.clip_grad
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
         raise harness.ConfigError(f"the learning rate must be a positive finite number, got {lr!r}")
     if args.optimizer == "sgd":  # the recipe passes torch's SGD to deepspeed.initialize (a "client" optimizer)
@@ -214,6 +218,15 @@ def check_resumable(resume_from: Path | None, state: dict | None, stage: int, wo
         )
 
 
+def hugging_face_zero3_loading(ds_config: dict):
+    """transformers' HfDeepSpeedConfig: while it lives, from_pretrained builds the model under deepspeed.zero.Init
+    (each parameter partitioned as it is made) and loads the weights shard by shard."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed()  # (zero.Init partitions over DeepSpeed's communicator: it joins our group)
+    return HfDeepSpeedConfig(ds_config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_cfg = GPTConfig.from_args(args)
@@ -230,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     stage, accum = ds_config["zero_optimization"]["stage"], ds_config["gradient_accumulation_steps"]
     global_batch, micro_rows = ds_config["train_batch_size"], ds_config["train_micro_batch_size_per_gpu"]
     sgd_lr, dp = ds_config.pop("client_sgd_lr", None), world_size // pp
+    # the rate the schedule starts from (harness.learning_rate): --lr, or the config's
+    args.lr = sgd_lr or ds_config["optimizer"]["params"]["lr"]
     must_match = {**spec.identity, "global_batch": global_batch,  # to resume a checkpoint
-                  "optimizer_name": args.optimizer}
+                  "optimizer_name": args.optimizer, **harness.schedule_identity(args)}
     resume_from, trainer_state = harness.resume_dir(args, must_match)
     check_resumable(resume_from, trainer_state, stage, world_size, pp)
     # DeepSpeed JIT-compiles missing ops into TORCH_EXTENSIONS_DIR: node-local disk and one directory per
@@ -259,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- model: same seed on every rank (the pipeline: each stage its layers of the same GPT); the engine
     # owns the optimizer, the sharding and the reductions
+    zero3_loading = None
     if pp > 1:
         deepspeed.init_distributed(dist_backend=backend)  # the pipeline's process topology needs DeepSpeed's comm
         loss_fn = pipeline.LastMicroBatchOnly(accum) if args.test_last_microbatch_loss else pipeline.cross_entropy
@@ -266,8 +282,13 @@ def main(argv: list[str] | None = None) -> int:
                                      loss_fn)
     else:
         torch.manual_seed(args.seed)
+        # ZeRO-3 and a Hugging Face model: from_pretrained loads it straight into shards (zero.Init through the
+        # transformers integration, which reads this config while it is alive), so no rank holds it whole
+        zero3_loading = hugging_face_zero3_loading(ds_config) if stage == 3 and spec.name.startswith("hf:") else None
         model = spec.build()
-        size = harness.model_size(model)  # before the engine takes the parameters (ZeRO-3 replaces them by shards)
+        if zero3_loading is not None:  # (the integration falls back to a whole model silently: check)
+            assert all(hasattr(p, "ds_id") for p in model.parameters()), "from_pretrained did not load under zero.Init"
+        size = harness.model_size(model)  # (parameters counted whole; ZeRO-3's are shards)
     parameters = [p for p in model.parameters() if p.requires_grad]
     client_optimizer = torch.optim.SGD(parameters, lr=sgd_lr) if sgd_lr else None
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, optimizer=client_optimizer,
@@ -297,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run_info = {**harness.describe_run(env, backend, device, type(engine).__name__, pp=pp, dp=dp),
                 "deepspeed_version": deepspeed.__version__, "zero_stage": stage, "grad_accum": accum,
-                "ds_config": ds_config, "dtype": str(dtype), "hostnames": hostnames, "model": spec.name}
+                "ds_config": ds_config, "dtype": str(dtype), "hostnames": hostnames, "model": spec.name,
+                "loaded_partitioned": zero3_loading is not None}
     metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=env.world_size,
                                     size=size, peak=harness.peak_flops(device, dtype, args.peak_tflops))
 
@@ -334,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), global_batch, dp_rank, dp,
                                    device)  # (--data-workers: read ahead)
     for step, (inputs, targets) in zip(run.steps(), batches):
+        harness.set_learning_rate(engine.optimizer, run.learning_rate(step))  # --lr-schedule, --warmup-steps
         if pp > 1:  # the engine runs the micro-batches through the stages (its 1F1B schedule), then steps
             micro = [(inputs[i:i + micro_rows].to(device), targets[i:i + micro_rows].to(device))
                      for i in range(0, len(inputs), micro_rows)]
@@ -357,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()  # the optimizer steps only at the accumulation boundary
             step_loss += loss.detach().float() / accum
         global_loss = harness.mean_across_ranks(step_loss, env.world_size)  # also synchronises the step for timing
-        metrics.log_step(step, global_loss, global_batch, run.step_time(), engine.get_lr()[0])
+        norm = engine.get_global_grad_norm()  # (None where DeepSpeed computes none: ZeRO-0 without clipping)
+        metrics.log_step(step, global_loss, global_batch, run.step_time(), engine.get_lr()[0],
+                         grad_norm=None if norm is None else float(norm))
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):

@@ -1,11 +1,14 @@
-"""How the FSDP2 + TP + PP recipe cuts the stack's GPT over its DeviceMesh (as torchtitan's parallelize.py):
+"""How the FSDP2 + TP + PP recipe cuts a model over its DeviceMesh (as torchtitan's parallelize.py):
 
 - ``Layout`` and ``choose_layout``: the sizes PP x DP_replicate x DP_shard x TP, every rule checked before
   any rank starts (one line each, with the fix);
-- ``GPTStage``: the layers of one pipeline stage (embeddings on the first, the head on the last), named
-  as in the full model (``blocks.<global index>``), so a checkpoint of any layout loads into any other;
-- ``apply_tensor_parallel``: the TP plan of a block (attention and MLP: column-wise in, row-wise out;
-  whole heads per rank), ``apply_fsdp``: FSDP2 per block and per stage (HSDP with DP_replicate > 1).
+- ``GPTStage``: the layers of one pipeline stage of the stack's GPT (embeddings on the first, the head on the
+  last), named as in the full model (``blocks.<global index>``), so a checkpoint of any layout loads into any other;
+- ``tensor_parallel_plan``: which linear layers TP cuts, column-wise in, row-wise out (whole heads per rank):
+  the GPT's own plan, a Hugging Face model's ``base_model_tp_plan`` (from its config), or your module's
+  ``tp_plan``; ``apply_tensor_parallel`` applies it;
+- ``fsdp_units`` and ``apply_fsdp``: FSDP2 per block (the GPT's blocks, a Hugging Face model's decoder layers,
+  your module's ``fsdp_units``) and then the whole stage (HSDP with DP_replicate > 1).
 
 The TESTS ONLY switches of train.py (``--test-break``) come in here as the wrong versions of these steps.
 """
@@ -61,15 +64,17 @@ class Layout:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
 
 
-def choose_layout(args: argparse.Namespace, world_size: int) -> Layout:
+def choose_layout(args: argparse.Namespace, world_size: int, spec: harness.ModelSpec) -> Layout:
     """The mesh sizes for ``world_size`` ranks. Unset sizes come from the allocation: TP within a node (the
-    ranks per node, when they divide the heads), pipeline 1, and FSDP over what is left."""
+    ranks per node, when they divide the heads; 1 for a model without a known TP plan), pipeline 1, and FSDP
+    over what is left."""
     pp, dp_replicate = args.pp, args.dp_replicate
     harness.require_at_least_one(args, "pp", "dp_replicate", "pp_virtual", "global_batch")
     tp = args.tp
     if tp is None:
         per_node = harness.ranks_per_node() or 1
-        fits = per_node > 1 and world_size % (per_node * pp * dp_replicate) == 0 and args.n_head % per_node == 0
+        fits = per_node > 1 and world_size % (per_node * pp * dp_replicate) == 0 and spec.tp_divides is not None \
+            and all(count % per_node == 0 for count in spec.tp_divides.values())
         tp = per_node if fits and args.dp_shard is None else 1
     if tp < 1:
         raise harness.ConfigError(f"--tp must be at least 1, got {tp}")
@@ -87,13 +92,21 @@ def choose_layout(args: argparse.Namespace, world_size: int) -> Layout:
                                       "world size, or leave --dp-shard out (it takes what is left)")
     micro = args.micro_batches if args.micro_batches is not None else (2 * pp if pp > 1 else 1)
     layout = Layout(pp, dp_replicate, dp_shard, tp, args.pp_virtual, micro)
-    check_layout(args, layout)
+    check_layout(args, layout, spec)
     return layout
 
 
-def check_layout(args: argparse.Namespace, layout: Layout) -> None:
-    if args.n_head % layout.tp:
-        raise harness.ConfigError(f"--n-head {args.n_head} is not divisible by --tp {layout.tp}: each TP rank takes whole heads")
+def check_layout(args: argparse.Namespace, layout: Layout, spec: harness.ModelSpec) -> None:
+    for what, count in (spec.tp_divides or {}).items():
+        if count % layout.tp:
+            raise harness.ConfigError(f"{what} {count} is not divisible by --tp {layout.tp}: each TP rank takes whole "
+                                      f"heads (use a --tp that divides {count})")
+    if spec.name != "gpt" and layout.pp > 1:
+        raise harness.ConfigError(f"--pp {layout.pp} with --model {spec.name}: the pipeline cuts the stack's GPT into "
+                                  "stages; train your model with FSDP2 and TP (--pp 1)")
+    if getattr(args, "lora_rank", None) and layout.tp > 1:
+        raise harness.ConfigError(f"--lora-rank with --tp {layout.tp}: LoRA's adapters are not cut for tensor "
+                                  "parallelism here; fine-tune with FSDP2 (--tp 1)")
     interleaved = args.pp_schedule == "Interleaved1F1B"
     if interleaved != (layout.virtual > 1):
         raise harness.ConfigError("--pp-schedule Interleaved1F1B goes with --pp-virtual 2 or more (stages per PP rank), "
@@ -156,6 +169,52 @@ def local_stages(model: GPT, layout: Layout, pp_rank: int) -> list[tuple[int, GP
     return [(s, GPTStage(model, s * per_stage, (s + 1) * per_stage)) for s in indices]
 
 
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 wraps one by one (each gathered just before it runs): the GPT's blocks, a Hugging
+    Face model's decoder layers (the classes its ``_no_split_modules`` names), or your module's
+    ``fsdp_units`` (a list of its submodules); none: the whole model is one unit."""
+    if isinstance(model, GPTStage):
+        return list(model.blocks.values())
+    declared = getattr(model, "fsdp_units", None)
+    if declared is not None:
+        return list(declared() if callable(declared) else declared)
+    hugging_face = getattr(model, "model", None)
+    block_classes = set(getattr(hugging_face, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in block_classes]
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
+    """{module name: "colwise" | "rowwise"}: the linear layers TP cuts. The GPT: qkv and the MLP's first layer
+    column-wise, the projections after them row-wise (Megatron's layout). A Hugging Face model: its config's
+    ``base_model_tp_plan`` (the same layout, named for its layers). Your module: its ``tp_plan`` attribute.
+    Embeddings, norms and the output layer stay replicated over TP."""
+    if isinstance(model, GPTStage):
+        return {f"blocks.{index}.{name}": style for index in model.blocks
+                for name, style in (("attn.qkv", "colwise"), ("attn.proj", "rowwise"), ("mlp.0", "colwise"),
+                                    ("mlp.2", "rowwise"))}
+    declared = getattr(model, "tp_plan", None)
+    prefix = ""
+    if declared is None and hasattr(getattr(model, "model", None), "config"):  # harness.hf_model.CausalLMLoss
+        hugging_face = model.model
+        declared = getattr(hugging_face.config, "base_model_tp_plan", None)
+        base = getattr(hugging_face, "base_model_prefix", "model")
+        # (LoRA: peft wraps the model, and the base model's names sit further in)
+        inner = next(name for name, module in model.named_modules() if module is hugging_face.base_model)
+        prefix = f"{inner}." if inner else f"model.{base}."
+    if not declared:
+        raise harness.ConfigError(f"{type(model).__name__} has no tensor-parallel plan: give your module a tp_plan "
+                                  "({submodule name: 'colwise' | 'rowwise'}), or use --tp 1")
+    names = [name for name, _ in model.named_modules()]
+    plan = {}
+    for pattern, style in declared.items():
+        if style not in ("colwise", "rowwise"):
+            raise harness.ConfigError(f"the model's TP plan cuts {pattern} as {style!r}; this recipe applies "
+                                      "'colwise' and 'rowwise' only: use --tp 1")
+        wanted = re.compile(re.escape(prefix + pattern).replace(r"\*", r"\d+") + "$")
+        plan.update({name: style for name in names if wanted.match(name)})
+    return plan
+
+
 class RowwiseWithoutReduce(RowwiseParallel):
     """TESTS ONLY, wrong on purpose: row-wise parallel whose ranks keep their partial sums (no all-reduce)."""
 
@@ -164,23 +223,24 @@ class RowwiseWithoutReduce(RowwiseParallel):
         return outputs.to_local()
 
 
-def apply_tensor_parallel(stage: GPTStage, tp_mesh, break_reduce: bool = False) -> None:
-    """Megatron's layout, in DTensor: qkv and the MLP's first layer column-wise (each rank its heads, its part
-    of the hidden width), the projections after them row-wise (their partial sums all-reduced). Embeddings,
-    norms and head stay replicated over TP. ``break_reduce`` (TESTS ONLY): row-wise without that all-reduce."""
+def apply_tensor_parallel(stage: nn.Module, tp_mesh, plan: dict[str, str], break_reduce: bool = False) -> None:
+    """``plan`` (tensor_parallel_plan) in DTensor: column-wise layers keep their share of the outputs (each
+    rank its heads, its part of the hidden width), row-wise ones all-reduce their partial sums. ``break_reduce``
+    (TESTS ONLY): row-wise without that all-reduce."""
     row_wise = RowwiseWithoutReduce if break_reduce else RowwiseParallel
-    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": row_wise(), "mlp.0": ColwiseParallel(), "mlp.2": row_wise()}
-    for block in stage.blocks.values():
-        parallelize_module(block, tp_mesh, plan)
+    parallelize_module(stage, tp_mesh, {name: ColwiseParallel() if style == "colwise" else row_wise()
+                                        for name, style in plan.items()})
 
 
-def apply_fsdp(stage: GPTStage, dp_mesh, param_dtype: torch.dtype | None, test_break: str | None) -> None:
-    """FSDP2: every block its own unit (its parameters gathered just before it runs), then the stage for
-    what is left. ``param_dtype`` bf16 on GPU (gradients reduced in float32). ``test_break`` (TESTS ONLY):
-    "fsdp-grad-sum" sums the gradients instead of averaging them; "fsdp-no-reduce" skips the reduce-scatter."""
+def apply_fsdp(stage: nn.Module, units: list[nn.Module], dp_mesh, param_dtype: torch.dtype | None,
+               test_break: str | None) -> None:
+    """FSDP2: every one of ``units`` (fsdp_units) its own unit (its parameters gathered just before it runs),
+    then the stage for what is left. ``param_dtype`` bf16 on GPU (gradients reduced in float32). ``test_break``
+    (TESTS ONLY): "fsdp-grad-sum" sums the gradients instead of averaging them; "fsdp-no-reduce" skips the
+    reduce-scatter."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
-    units = [fully_shard(block, mesh=dp_mesh, mp_policy=policy) for block in stage.blocks.values()]
+    units = [fully_shard(unit, mesh=dp_mesh, mp_policy=policy) for unit in units]
     units.append(fully_shard(stage, mesh=dp_mesh, mp_policy=policy))
     for unit in units:
         if test_break == "fsdp-grad-sum":  # FSDP's own switch: reduce with SUM and divide by 1
@@ -190,7 +250,7 @@ def apply_fsdp(stage: GPTStage, dp_mesh, param_dtype: torch.dtype | None, test_b
             unit.set_requires_gradient_sync(False)
 
 
-def grad_norm(stages: list[GPTStage], pp_group) -> float:
+def grad_norm(stages: list[nn.Module], pp_group) -> float:
     """The global gradient norm (every parameter of every stage): the same number in any layout when the
     gradients are right; a wrong scale (a sum for a mean, micro-batches not averaged) shows at once.
 
@@ -222,22 +282,36 @@ def grad_norm(stages: list[GPTStage], pp_group) -> float:
     return float(total) ** 0.5
 
 
-def expected_mesh_dims(name: str, layout: Layout) -> tuple[str, ...]:
-    """The mesh dimensions parameter ``name`` must be a DTensor over (() for a plain tensor)."""
-    tp_planned = re.search(r"\.(attn\.qkv|attn\.proj|mlp\.0|mlp\.2)\.", name) is not None
+def clip_gradients(stages: list[nn.Module], norm: float, max_norm: float) -> None:
+    """--clip-grad: every gradient scaled by max_norm / norm when the global ``norm`` (grad_norm) is larger,
+    as torch.nn.utils.clip_grad_norm_ scales them (DTensor gradients scale shard by shard)."""
+    if max_norm <= 0:
+        return
+    factor = min(1.0, max_norm / (norm + 1e-6))
+    for stage in stages:
+        for param in stage.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
+
+
+def expected_mesh_dims(name: str, layout: Layout, tp_planned: set[str]) -> tuple[str, ...]:
+    """The mesh dimensions parameter ``name`` must be a DTensor over (() for a plain tensor); ``tp_planned``:
+    the modules the TP plan cuts."""
+    module = name.rpartition(".")[0]
     dims = (("dp_replicate",) if layout.dp_replicate > 1 else ()) + (("dp_shard",) if layout.fsdp else ())
-    return dims + (("tp",) if layout.tp > 1 and tp_planned else ())
+    return dims + (("tp",) if layout.tp > 1 and module in tp_planned else ())
 
 
-def placements(stages: list[GPTStage], layout: Layout) -> dict[str, str]:
+def placements(stages: list[nn.Module], layout: Layout, plans: list[dict[str, str]]) -> dict[str, str]:
     """Every parameter's mesh dimensions and placements, checked against what the layout must give: the
     proof, from inside the run, that FSDP2 and TP really wrapped what they should (nothing fell back)."""
     found = {}
-    for stage in stages:
+    for stage, plan in zip(stages, plans):
         for name, param in stage.named_parameters():
             is_dtensor = isinstance(param, DTensor)
             dims = tuple(param.device_mesh.mesh_dim_names) if is_dtensor else ()
-            if dims != expected_mesh_dims(name, layout):
-                raise RuntimeError(f"{name} is over mesh dims {dims}, expected {expected_mesh_dims(name, layout)}")
+            expected = expected_mesh_dims(name, layout, set(plan))
+            if dims != expected:
+                raise RuntimeError(f"{name} is over mesh dims {dims}, expected {expected}")
             found[name] = f"{dims} {tuple(param.placements)}" if is_dtensor else "plain tensor"
     return found

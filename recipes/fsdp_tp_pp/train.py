@@ -26,6 +26,13 @@ rows, the pipeline cuts them into --micro-batches. Checkpoints are torch.distrib
 directories (model, optimizer, RNG; the data position is the step), sharded as trained and loadable in
 any other layout (e.g. saved at FSDP 2 x TP 2, resumed at PP 2). Sizes that cannot form the mesh are
 refused before any rank starts (--preflight N), one line each.
+
+Your model instead of the GPT (harness/model.py: the contract), with FSDP2 per block and TP from the model's
+own plan (a Hugging Face model's base_model_tp_plan; your module's tp_plan and fsdp_units), no pipeline:
+
+    torchrun --standalone --nproc_per_node=4 recipes/fsdp_tp_pp/train.py --model hf:$SCRATCH/models/my-llama \
+        --tp 2 --dp-shard 2 --vocab-size 32000 --export-hf $SCRATCH/my-llama-tuned
+    torchrun --standalone --nproc_per_node=2 recipes/fsdp_tp_pp/train.py --tp 1 --model hf:DIR --lora-rank 8
 """
 
 from __future__ import annotations
@@ -75,13 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=None, help="TESTS ONLY, wrong on purpose: break one parallelism (the negative controls)")
     p.add_argument("--test-resume-without-optimizer", action="store_true",
                    help="TESTS ONLY, wrong on purpose: resume the weights but a fresh optimizer (the resume control)")
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True)
+    harness.add_schedule_options(p)
+    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True, lora=True)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> parallelize.Layout:
+def validate(args: argparse.Namespace, world_size: int, spec: harness.ModelSpec) -> parallelize.Layout:
     harness.validate_run(args, world_size)
+    harness.check_model_vocabulary(spec, args.vocab_size)
+    harness.check_export_option(args, spec)
     harness.require_positive(args, "lr")
-    return parallelize.choose_layout(args, world_size)
+    return parallelize.choose_layout(args, world_size, spec)
 
 
 def state_dicts(stages: list, optimizers: list) -> list[dict]:
@@ -135,14 +145,18 @@ def save_dcp(state: dict, path: Path, world_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_cfg = GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd, tie_embeddings=False)
-    must_match = {"model_cfg": asdict(model_cfg), "global_batch": args.global_batch}  # any layout may resume
+    # the stack's GPT, or --model hf:DIR (a Hugging Face model) or MODULE:FACTORY (yours): harness/model.py
+    spec = harness.model_spec(args, gpt=GPT, gpt_config=model_cfg)
+    is_gpt = spec.name == "gpt"
+    must_match = {**spec.identity, "global_batch": args.global_batch,  # any layout may resume
+                  **harness.schedule_identity(args)}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
-        layout = validate(args, args.preflight)
+        layout = validate(args, args.preflight, spec)
         resume_from, _ = harness.resume_dir(args, must_match)
         return harness.preflight_line(RECIPE, " x ".join(f"{k} {v}" for k, v in layout.mesh_shape().items())
                                       + f" = {args.preflight} ranks, {layout.micro_batches} micro-batches", resume_from)
     env = harness.detect_dist_env()
-    layout = validate(args, env.world_size)
+    layout = validate(args, env.world_size, spec)
     harness.check_expected_world_size(env.world_size)
     resume_from, trainer_state = harness.resume_dir(args, must_match)
 
@@ -160,33 +174,41 @@ def main(argv: list[str] | None = None) -> int:
               f"micro-batches={layout.micro_batches} dtype={dtype} launcher={env.launcher} hosts={','.join(hostnames)}",
               flush=True)
 
-    # ---- model: the full GPT from the seed on every rank; this rank keeps its stages, then TP, then FSDP2
+    # ---- model: the full model from the seed on every rank; this rank keeps its stages, then TP, then FSDP2
     torch.manual_seed(args.seed)
-    full = GPT(model_cfg)
-    size = full.size()
-    local = parallelize.local_stages(full, layout, coordinate["pp"])  # [(stage index, module)]
+    full = spec.build()
+    size = harness.model_size(full)
+    # [(stage index, module)]: the GPT's stages of this PP rank; your model is one stage (no pipeline)
+    local = parallelize.local_stages(full, layout, coordinate["pp"]) if is_gpt else [(0, full)]
     stages = [stage.to(device) for _, stage in local]
     del full
-    for stage in stages:
+    plans = [parallelize.tensor_parallel_plan(stage) if layout.tp > 1 else {} for stage in stages]
+    for stage, plan in zip(stages, plans):
         if layout.tp > 1:
-            parallelize.apply_tensor_parallel(stage, mesh["tp"], break_reduce=args.test_break == "tp-no-reduce")
-        for block in stage.blocks.values():
+            parallelize.apply_tensor_parallel(stage, mesh["tp"], plan, break_reduce=args.test_break == "tp-no-reduce")
+        units = parallelize.fsdp_units(stage)  # the blocks (decoder layers)
+        for block in units:
             if args.activation_checkpointing:
                 forward = block.forward
-                block.forward = lambda x, forward=forward: torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+                block.forward = lambda *inputs, forward=forward, **options: torch.utils.checkpoint.checkpoint(
+                    forward, *inputs, use_reentrant=False, **options)
             if args.compile:
                 block.compile()
         if layout.fsdp:
             dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-            parallelize.apply_fsdp(stage, dp_mesh, dtype if dtype != torch.float32 else None, args.test_break)
+            parallelize.apply_fsdp(stage, units, dp_mesh, dtype if dtype != torch.float32 else None, args.test_break)
     # Frameworks fall back to no parallelism silently: check every parameter's DTensor mesh and placements.
-    placements = parallelize.placements(stages, layout)
+    placements = parallelize.placements(stages, layout, plans)
     if mesh is not None:
         assert tuple(mesh.shape) == tuple(layout.mesh_shape().values()) and dist.get_world_size() == env.world_size
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32 and not layout.fsdp)
     make_optimizer = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0),
                       "sgd": lambda ps: torch.optim.SGD(ps, lr=args.lr)}[args.optimizer]
-    optimizers = [make_optimizer(stage.parameters()) for stage in stages]
+    optimizers = [make_optimizer([p for p in stage.parameters() if p.requires_grad]) for stage in stages]
+
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One batch's loss without a pipeline: the GPT's logits against the targets; your model's own."""
+        return cross_entropy(stages[0](inputs), targets) if is_gpt else stages[0](inputs, targets)
 
     schedule = None
     if layout.pp > 1:  # the pipeline: this rank's stages, the schedule that runs the micro-batches through them
@@ -195,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule = SCHEDULE[args.pp_schedule](
             pipeline if layout.virtual > 1 else pipeline[0], n_microbatches=layout.micro_batches,
             loss_fn=cross_entropy, scale_grads=args.test_break != "pp-loss-unscaled")  # scale: the micro-batches' mean
-    has_first, has_last = stages[0].is_first, stages[-1].is_last
+    has_first, has_last = (stages[0].is_first, stages[-1].is_last) if is_gpt else (True, True)
 
     checkpoint_dir = args.out_dir / "checkpoints"
     start_step, history = 0, []
@@ -207,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{trainer_state['layout']})", flush=True)
 
     run_info = {**harness.describe_run(env, backend, device, layout.wrapper(args.pp_schedule), **asdict(layout)),
+                "model": spec.name,
                 "mesh": layout.mesh_shape(), "schedule": args.pp_schedule if layout.pp > 1 else None,
                 "placements": gather_placements(placements, env.world_size), "dtype": str(dtype), "hostnames": hostnames}
     metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=env.rank == 0,
@@ -233,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             inputs, targets = (t.to(device) for t in validation.local_batch(batch, args.global_batch, dp_rank, layout.dp))
             with autocast:
                 if schedule is None:
-                    total += cross_entropy(stages[0](inputs), targets).float()
+                    total += loss_of(inputs, targets).float()
                 else:
                     losses = []
                     schedule.eval(*([inputs] if has_first else []), target=targets if has_last else None,
@@ -253,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     for step, (inputs, targets) in zip(run.steps(), batches):
         with autocast:
             if schedule is None:
-                loss = cross_entropy(stages[0](inputs), targets)
+                loss = loss_of(inputs, targets)
                 loss.backward()  # TP's all-reduces and FSDP2's reduce-scatters run inside backward
             else:
                 losses = []
@@ -261,12 +284,15 @@ def main(argv: list[str] | None = None) -> int:
                               losses=losses if has_last else None)
                 loss = torch.stack(losses).mean() if has_last else torch.zeros((), device=device)
         norm = parallelize.grad_norm(stages, mesh["pp"].get_group() if layout.pp > 1 else None)
+        parallelize.clip_gradients(stages, norm, args.clip_grad)  # --clip-grad
+        lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
         for optimizer in optimizers:
+            harness.set_learning_rate(optimizer, lr)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         # The loss lives on the last stage, the same on each of its TP ranks: its mean over DP ranks
         global_loss = harness.mean_across_ranks(loss.detach().float(), env.world_size) * layout.pp
-        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), args.lr, grad_norm=norm)
+        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
@@ -277,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     # are the same on every rank that holds that stage (replicas over DP_replicate, TP's replicated ones)
     spread = stage_spread(stages, mesh, layout, coordinate["pp"])
     exit_code = run.finish(metrics, spread, differ="parameters differ across the ranks of a stage")
+    if args.export_hf and exit_code == 0 and run.last_step == args.max_steps:  # (a finished run)
+        # every rank gathers its shards (FSDP2's all-gathers, TP's); rank 0 gets the whole model and writes it
+        whole = get_model_state_dict(stages[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if env.rank == 0:
+            harness.export_trained_model(None, spec, args.export_hf, RECIPE, state_dict=whole)
     if env.world_size > 1:
         del schedule, local, stages, optimizers, mesh  # they hold the process groups: drop them before leaving
         harness.leave_process_group()

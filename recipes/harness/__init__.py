@@ -12,7 +12,9 @@
     checkpoint  atomic checkpoint files and directories; which checkpoint a rerun resumes
     signals     SIGUSR1/SIGTERM: stop after the step, checkpoint, leave the stop marker
     run         TrainingRun: the step range, checkpoint cadence, the stop agreement and the end of a run;
-                the optimizer of --optimizer (adamw, or sgd for the parity tests); a rank's validation loss
+                the optimizer of --optimizer (adamw, or sgd for the parity tests), the learning-rate schedule
+                and gradient clipping; a rank's validation loss
+    faults      the tests' negative controls that are not options (HPCML_TEST_FAULT)
 
 Recipes put ``recipes/`` on ``sys.path`` and ``import harness``; the names below are the ones they use.
 No module imports PyTorch or TensorFlow at import time (the TensorFlow recipes load no torch).
@@ -25,7 +27,8 @@ from .checkpoint import (
     TRAINER_STATE,
 )
 from .cli import (
-    add_data_options, add_gpt_options, add_optimizer_option, add_run_options, add_test_break_option, ConfigError,
+    add_data_options, add_gpt_options, add_optimizer_option, add_run_options, add_schedule_options,
+    add_test_break_option, ConfigError, schedule_identity,
     main_entry, new_parser,
     parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible,
     require_positive, stderr_line, tensorboard_dir, validate_run,
@@ -40,11 +43,12 @@ from .launch import (
 from .metrics import describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, transformer_flops_per_token
 from .model import (check_export_option, check_model_vocabulary, export_trained_model, model_size, model_spec,
                     ModelSpec)
-from .run import torch_optimizer, TrainingRun, validation_loss
+from .run import clip_gradients, learning_rate, set_learning_rate, torch_optimizer, TrainingRun, validation_loss
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
 __all__ = [
-    "add_data_options", "add_gpt_options", "add_optimizer_option", "add_run_options", "add_test_break_option",
+    "add_data_options", "add_gpt_options", "add_optimizer_option", "add_run_options", "add_schedule_options",
+    "add_test_break_option", "clip_gradients", "learning_rate", "schedule_identity", "set_learning_rate",
     "all_hostnames", "atomic_write_bytes",
     "check_expected_world_size", "check_export_option", "check_model_vocabulary", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV", "default_master_port",
     "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV", "export_trained_model",

@@ -92,6 +92,38 @@ def add_optimizer_option(p: argparse.ArgumentParser, default: str = "adamw") -> 
                         "wrong scale, SGD is not (the parity tests train with sgd)")
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def add_schedule_options(p: argparse.ArgumentParser) -> None:
+    """What fine-tuning needs from the loop (run.learning_rate, run.clip_gradients): a learning-rate schedule
+    and gradient clipping. Both follow the step number, so a resumed run continues them exactly."""
+    g = p.add_argument_group("learning rate and gradients")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="after the warmup: constant --lr, or cosine from --lr down to --lr/10 at --max-steps")
+    g.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="rise linearly to --lr over the first N steps (0: start at --lr)")
+    g.add_argument("--clip-grad", type=float, default=0.0, metavar="NORM",
+                   help="scale the gradients down to this global norm when they exceed it (0: no clipping); the "
+                        "norm before clipping is logged as grad_norm")
+
+
+def check_schedule_options(args: argparse.Namespace) -> None:
+    if not hasattr(args, "lr_schedule"):
+        return
+    if args.warmup_steps < 0:
+        raise ConfigError(f"--warmup-steps must be 0 (no warmup) or more, got {args.warmup_steps}")
+    if not (args.clip_grad >= 0 and math.isfinite(args.clip_grad)):
+        raise ConfigError(f"--clip-grad must be 0 (no clipping) or a positive norm, got {args.clip_grad}")
+
+
+def schedule_identity(args: argparse.Namespace) -> dict:
+    """What a checkpoint must share with the run that resumes it for the schedule to continue where it was:
+    the schedule, its warmup and (cosine) the step it ends at."""
+    return {"lr_schedule": args.lr_schedule, "warmup_steps": args.warmup_steps,
+            **({"schedule_end_step": args.max_steps} if args.lr_schedule == "cosine" else {})}
+
+
 def add_test_break_option(p: argparse.ArgumentParser, needs_ranks: dict[str, str], other: dict[str, str] | None = None) -> None:
     """--test-break NAME: a step of the recipe done wrong on purpose, so that a test can show that its check
     catches it (a negative control). Each dict: name -> what goes wrong; ``needs_ranks``: the breaks of the
@@ -135,16 +167,19 @@ def add_gpt_options(p: argparse.ArgumentParser, user_models: bool = False) -> No
         g.add_argument("--export-hf", type=Path, default=None, metavar="DIR",
                        help="with --model hf:...: at the end, the trained model as a Hugging Face directory "
                             "(safetensors, config, the source's tokenizer files) that from_pretrained loads")
+        g.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                       help="with --model hf:...: train LoRA adapters of rank R (peft) instead of the whole model "
+                            "(recipes/ddp and recipes/fsdp_tp_pp); --export-hf merges them into the weights")
     g.add_argument("--n-layer", type=int, default=2)
     g.add_argument("--n-head", type=int, default=4)
     g.add_argument("--n-embd", type=int, default=64)
 
 
 def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] | None, gpt_model: bool = False,
-                      collective_timeout: bool = True, user_models: bool = False) -> argparse.Namespace:
+                      collective_timeout: bool = True, user_models: bool = False, lora: bool = False) -> argparse.Namespace:
     """The shared option groups after the recipe's own, then the command line (and --config) parsed.
-    ``gpt_model``: the options of recipes/gpt.py (``user_models``: and --model, --dataset, --export-hf);
-    ``collective_timeout``: --timeout-s (PyTorch's groups)."""
+    ``gpt_model``: the options of recipes/gpt.py (``user_models``: and --model, --dataset, --export-hf,
+    --lora-rank, which the recipe takes if ``lora``); ``collective_timeout``: --timeout-s (PyTorch's groups)."""
     add_run_options(p, recipe, collective_timeout)
     add_data_options(p, user_models)
     if gpt_model:
@@ -153,6 +188,9 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
     from .data import check_data_option  # (data.py imports ConfigError from here)
 
     require_at_least_one(args, "seq_len", "vocab_size", "eval_batches")
+    if getattr(args, "lora_rank", None) is not None and not lora:
+        raise ConfigError(f"--lora-rank: recipes/ddp and recipes/fsdp_tp_pp fine-tune with LoRA; {recipe} does not "
+                          "(yet): train the whole model here, or use one of those")
     if args.eval_every < 0:
         raise ConfigError(f"--eval-every must be 0 (no evaluation) or more, got {args.eval_every}")
     if args.data_workers < -1:
@@ -204,6 +242,7 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
         raise ConfigError("--skip-grad-allreduce only means something with more than one rank")
     if getattr(args, "test_break", None) in getattr(args, "test_breaks_needing_ranks", ()) and world_size == 1:
         raise ConfigError(f"--test-break {args.test_break} only means something with more than one rank")
+    check_schedule_options(args)
     if hasattr(args, "timeout_s"):
         require_positive(args, "timeout_s")
     if args.peak_tflops is not None:

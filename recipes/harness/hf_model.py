@@ -29,16 +29,40 @@ class CausalLMLoss(torch.nn.Module):
         logits = self.model(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
+    @property
+    def base(self) -> torch.nn.Module:
+        """The Hugging Face model itself (under LoRA, the model peft wraps)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
     def flops_per_token(self) -> float:
         """6N + 12*L*d*T (harness.transformer_flops_per_token); N leaves out the input embedding, a lookup,
         unless the output layer shares its weight (then it is a matmul too)."""
-        config = self.model.config
-        n_params = sum(p.numel() for p in self.model.parameters())
-        embedding = self.model.get_input_embeddings().weight
-        output = self.model.get_output_embeddings()
+        model = self.base  # (LoRA's adapters add little; the frozen weights still run forward and backward)
+        config = model.config
+        n_params = sum(numel(p) for p in model.parameters())
+        embedding = model.get_input_embeddings().weight
+        output = model.get_output_embeddings()
         if output is None or output.weight is not embedding:
-            n_params -= embedding.numel()
+            n_params -= numel(embedding)
         return transformer_flops_per_token(n_params, config.num_hidden_layers, config.hidden_size, self.seq_len)
+
+
+def numel(parameter: torch.Tensor) -> int:
+    """A parameter's size, also where ZeRO-3 loaded the model partitioned (each rank holds a shard)."""
+    return getattr(parameter, "ds_numel", parameter.numel())
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """--lora-rank R: peft's LoRA adapters of rank R (alpha 2R, no dropout) on every linear layer but the
+    output layer; the model's own weights frozen. The adapters start at zero: the model starts as it was."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():  # peft 0.21 asks transformers 5.25 a deprecated question: not the user's to act on
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                target_modules="all-linear"))
 
 
 # What a Hugging Face model directory holds besides the weights and config.json: the tokenizer, copied from
@@ -50,11 +74,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def export_hugging_face(wrapped: CausalLMLoss, source: Path, target: Path) -> list[str]:
     """The trained model as a Hugging Face directory (save_pretrained: safetensors and config.json) plus the
     source's tokenizer files; written into TARGET.partial and renamed, so a TARGET that exists is whole.
-    Returns the files written."""
+    A LoRA model (peft): its adapters alone in TARGET/adapter, and the model with them merged into its
+    weights in TARGET. Returns the files written."""
     target = Path(target)
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    wrapped.model.save_pretrained(partial, safe_serialization=True)
+    model = wrapped.model
+    if hasattr(model, "merge_and_unload"):  # peft's LoRA
+        model.save_pretrained(partial / "adapter", safe_serialization=True)
+        model = model.merge_and_unload()
+    model.save_pretrained(partial, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (Path(source) / name).is_file() and not (partial / name).exists():
             shutil.copy2(Path(source) / name, partial / name)

@@ -43,6 +43,9 @@ class ModelSpec:
     # sit beside the checkpoint's own, "model" among them: none of them is "model")
     build: Callable[[], "torch.nn.Module"]  # a module meeting the contract above, on the CPU
     vocab_size: int | None = None  # the token ids the model takes (None: not a language model, or unknown)
+    # what tensor parallelism must divide, e.g. {"--n-head": 4}: each TP rank takes whole heads (None: the
+    # model's TP plan is not known before it is built; recipes/fsdp_tp_pp then defaults to --tp 1)
+    tp_divides: dict[str, int] | None = None
 
 
 def model_spec(args, gpt: Callable | None = None, gpt_config=None) -> ModelSpec:
@@ -53,7 +56,10 @@ def model_spec(args, gpt: Callable | None = None, gpt_config=None) -> ModelSpec:
     if name == "gpt":
         from dataclasses import asdict
 
-        return ModelSpec("gpt", {"model_cfg": asdict(gpt_config)}, lambda: gpt(gpt_config), gpt_config.vocab_size)
+        if getattr(args, "lora_rank", None):
+            raise ConfigError("--lora-rank wraps a Hugging Face model's linear layers (peft): use it with --model hf:DIR")
+        return ModelSpec("gpt", {"model_cfg": asdict(gpt_config)}, lambda: gpt(gpt_config), gpt_config.vocab_size,
+                         {"--n-head": gpt_config.n_head})
     if name.startswith("hf:"):
         return hugging_face_spec(name, args)
     if ":" not in name.strip(":"):
@@ -82,10 +88,17 @@ def hugging_face_spec(name: str, args) -> ModelSpec:
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError(f"--model {name} needs Hugging Face transformers, which {sys.executable} lacks: "
                           "pip install the pinned version of requirements/frameworks.txt")
-    # Nothing from the network on a compute node: a model is a directory, read as it is.
+    # Nothing from the network on a compute node: a model is a directory, read as it is. And whatever
+    # transformers would cache goes under the run, not into a home directory a compute node may not write.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if getattr(args, "out_dir", None) is not None:
+        os.environ.setdefault("HF_HOME", str(Path(args.out_dir).absolute() / "hf_home"))
     # (and no progress bar on every rank of a job log for reading a few files)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # transformers asks DeepSpeed (when installed) which accelerator there is; told, it does not log a warning
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     from transformers import AutoConfig
 
     try:
@@ -94,19 +107,28 @@ def hugging_face_spec(name: str, args) -> ModelSpec:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"--model {name}: transformers cannot read {config_file} ({first[:160]})") from None
     vocab_size = getattr(config, "vocab_size", None)
-    identity = {"model_name": f"hf:{directory.resolve()}",
+    lora_rank = getattr(args, "lora_rank", None)
+    if lora_rank is not None:
+        if lora_rank < 1:
+            raise ConfigError(f"--lora-rank must be at least 1, got {lora_rank}")
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError(f"--lora-rank needs Hugging Face peft, which {sys.executable} lacks: pip install the "
+                              "pinned version of requirements/frameworks.txt")
+    identity = {"model_name": f"hf:{directory.resolve()}", "lora_rank": lora_rank,
                 "config_sha256": hashlib.sha256(config_file.read_bytes()).hexdigest()}
+    heads = {f"{key} (the model's config)": getattr(config, key) for key in ("num_attention_heads", "num_key_value_heads")
+             if isinstance(getattr(config, key, None), int)}
 
     def build() -> "torch.nn.Module":
         import torch
         from transformers import AutoModelForCausalLM
 
-        from .hf_model import CausalLMLoss
+        from .hf_model import CausalLMLoss, with_lora
 
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
-        return CausalLMLoss(model, args.seq_len)
+        return CausalLMLoss(with_lora(model, lora_rank) if lora_rank else model, args.seq_len)
 
-    return ModelSpec(name, identity, build, vocab_size)
+    return ModelSpec(name, identity, build, vocab_size, heads or None)
 
 
 # ---- your own model (and dataset: harness.data)
@@ -159,7 +181,7 @@ def model_size(model: "torch.nn.Module") -> tuple[int, float | None]:
     """(parameters, training FLOPs per token or None): what the logs and MFU need."""
     if hasattr(model, "size"):  # the stack's GPT
         return model.size()
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # (ds_numel: ZeRO-3's shards)
     flops = getattr(model, "flops_per_token", None)
     return n_params, (flops() if callable(flops) else flops)
 
@@ -180,20 +202,30 @@ def check_export_option(args, spec: ModelSpec) -> None:
     if not spec.name.startswith("hf:"):
         raise ConfigError(f"--export-hf writes a Hugging Face model directory: it needs --model hf:DIR (this run "
                           f"trains {spec.name}; its checkpoints are in --out-dir)")
-    target = Path(target)
+    check_export_target(Path(target), "--export-hf")
+
+
+def check_export_target(target: Path, option: str) -> None:
+    """The directory an export writes (``option``: the name the user gave it) must not hold anything yet."""
     if target.is_file() or (target.is_dir() and any(target.iterdir())):
-        raise ConfigError(f"--export-hf {target} exists and is not an empty directory: name a new one "
+        raise ConfigError(f"{option} {target} exists and is not an empty directory: name a new one "
                           "(an export never overwrites)")
     existing = next(parent for parent in target.absolute().parents if parent.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--export-hf {target}: cannot create it in {existing}: name a directory you can write")
+        raise ConfigError(f"{option} {target}: cannot create it in {existing}: name a directory you can write")
 
 
-def export_trained_model(model: "torch.nn.Module", spec: ModelSpec, target: Path, recipe: str) -> None:
+def export_trained_model(model: "torch.nn.Module", spec: ModelSpec, target: Path, recipe: str,
+                         state_dict: dict | None = None) -> None:
     """--export-hf: the trained model (the CausalLMLoss a recipe trained, unwrapped) as a Hugging Face
-    directory that from_pretrained loads, with the source directory's tokenizer. One rank calls it."""
+    directory that from_pretrained loads, with the source directory's tokenizer (LoRA: its adapters merged
+    into the weights, and the adapters alone in DIR/adapter). One rank calls it. ``state_dict``: the trained
+    weights gathered from shards (FSDP2, TP), loaded into a new ``spec.build()`` (``model`` is then None)."""
     from .hf_model import export_hugging_face
 
+    if state_dict is not None:
+        model = spec.build()
+        model.load_state_dict(state_dict)
     files = export_hugging_face(model, Path(spec.name.removeprefix("hf:")), Path(target))
     print(f"[{recipe}] exported the trained model to {target} ({', '.join(files)}): "
           "AutoModelForCausalLM.from_pretrained loads it", flush=True)

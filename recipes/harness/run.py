@@ -17,10 +17,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import time
 from typing import Callable, Iterator
 
+from . import faults
 from .checkpoint import checkpoint_due
 from .cli import stderr_line
 from .signals import STOP_MARKER, StopRequest
@@ -49,6 +51,12 @@ class TrainingRun:
     def step_time(self) -> float:
         """Seconds since the current step began (call it once the step's loss is known on every rank)."""
         return time.perf_counter() - self._step_started
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of ``step`` (--lr-schedule, --warmup-steps): a function of the step number, so a
+        resumed run goes on with the rate the uninterrupted one had there."""
+        counted = step - self.start_step if faults.active("schedule-restart") else step  # (a negative control)
+        return learning_rate(self.args, counted)
 
     def eval_due(self, step: int) -> bool:
         """--eval-every N: after every N-th step and after the last one (the run's final eval loss)."""
@@ -96,6 +104,37 @@ class TrainingRun:
             print(f"[{self.recipe}] stopped by {signame} after step {self.last_step}: checkpoint written; "
                   "run again with the same --out-dir to continue (slurm/ files requeue the job themselves)", flush=True)
         return 0
+
+
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """--lr at step ``step`` (1, 2, ... --max-steps): linear warmup over --warmup-steps, then constant, or a
+    cosine from --lr down to --lr/10 at --max-steps (as nanoGPT's)."""
+    warmup = getattr(args, "warmup_steps", 0)
+    if step <= warmup:
+        return args.lr * step / warmup
+    if getattr(args, "lr_schedule", "constant") == "constant":
+        return args.lr
+    progress = min(1.0, (step - warmup) / max(1, args.max_steps - warmup))
+    floor = args.lr / 10
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - floor)
+
+
+def set_learning_rate(optimizer, lr: float) -> None:
+    """Every parameter group of ``optimizer`` at ``lr`` (the schedule's rate of the step about to be taken)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_gradients(parameters, max_norm: float) -> float:
+    """The global norm of the gradients of ``parameters`` (reduced, replicated ones: DDP's after backward),
+    and, with --clip-grad (``max_norm`` > 0), the gradients scaled down to ``max_norm`` when it is larger."""
+    import torch
+
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return float(norm)
 
 
 def validation_loss(forward, data, args: argparse.Namespace, global_batch: int, rank: int, world_size: int, device):

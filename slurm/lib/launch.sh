@@ -458,14 +458,51 @@ check_data_path() {
             "$(hostname): prepare it first (python recipes/data/prepare.py --out $prefix) on a file system every" \
             "node mounts (Perlmutter: under \$SCRATCH)"
     done
+    require_mounted "$runtime" "--data $prefix" "$prefix"
+}
+
+# Under podman and podman-hpc, a host path the ranks read must sit in a directory mounted into the containers.
+require_mounted() {
+    local runtime=$1 what=$2 path=$3 dir
     [[ $runtime == podman || $runtime == podman-hpc ]] || return 0
     # shellcheck disable=SC2086 # CONTAINER_MOUNTS is a space-separated list
     for dir in "$REPO_DIR" "$PWD" ${RUN_DIR:+"$RUN_DIR"} ${CONTAINER_MOUNTS:-}; do
-        is_inside "$prefix" "$dir" && return 0
+        is_inside "$path" "$dir" && return 0
     done
-    launch_error "--data $prefix is not in any directory mounted into the $runtime containers (the repository," \
+    launch_error "$what is not in any directory mounted into the $runtime containers (the repository," \
         "the working directory, RUN_DIR${CONTAINER_MOUNTS:+, CONTAINER_MOUNTS}): mount its directory," \
-        "CONTAINER_MOUNTS=\"${CONTAINER_MOUNTS:+$CONTAINER_MOUNTS }$(dirname "$prefix")\""
+        "CONTAINER_MOUNTS=\"${CONTAINER_MOUNTS:+$CONTAINER_MOUNTS }$(dirname "$path")\""
+}
+
+# --model hf:DIR (a Hugging Face model directory) and --model/--dataset FILE.py:FACTORY (the user's code):
+# readable on the batch node and, under podman and podman-hpc, mounted, as --data is. (A module on
+# PYTHONPATH, mypkg.models:build, is the recipe's own preflight's to find.)
+check_model_paths() {
+    local runtime=$1 previous="" arg value path
+    shift
+    for arg in "$@"; do
+        value=""
+        [[ $previous == --model || $previous == --dataset ]] && value="$previous $arg"
+        [[ $arg == --model=* || $arg == --dataset=* ]] && value="${arg%%=*} ${arg#*=}"
+        previous=$arg
+        [[ -n $value ]] || continue
+        path=${value#* }
+        if [[ $path == hf:* ]]; then
+            path=${path#hf:}
+            [[ $path == /* ]] || path=$PWD/$path
+            [[ -d $path && -r $path ]] || launch_error "$value: $path is not a directory readable on the batch node" \
+                "$(hostname): download or save the model on a login node into a file system every node mounts" \
+                "(Perlmutter: under \$SCRATCH)"
+        elif [[ ${path%:*} == *.py || ${path%:*} == */* ]]; then
+            path=${path%:*}
+            [[ $path == /* ]] || path=$PWD/$path
+            [[ -f $path && -r $path ]] || launch_error "$value: $path is not a file readable on the batch node" \
+                "$(hostname): put your code on a file system every node mounts"
+        else
+            continue
+        fi
+        require_mounted "$runtime" "$value" "$path"
+    done
 }
 
 # The bare runtime runs PYTHON on every node as the job's user: an interpreter that user cannot run (a venv
@@ -537,6 +574,7 @@ launch_recipe() {
     check_allocation "$runtime"
     [[ -z ${RUN_DIR:-} || $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
     check_data_path "$runtime" "$@"
+    check_model_paths "$runtime" "$@"
     [[ $runtime != none || ${LAUNCH_DRY_RUN:-0} == 1 ]] || check_bare_python
     local created_run_dir=0
     if [[ -n ${RUN_DIR:-} ]]; then
