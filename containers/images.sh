@@ -126,7 +126,8 @@ build_args() {
     local image=$1 pin parent
     local -a pins=("FLAVOR=$FLAVOR")
     for pin in MPICH_VERSION MPI4PY_VERSION MEGATRON_CORE_VERSION PSUTIL_VERSION DEEPSPEED_VERSION \
-        ACCELERATE_VERSION HOROVOD_VERSION TF_KERAS_VERSION TORCH_CPU_INDEX TENSORBOARD_VERSION; do
+        ACCELERATE_VERSION HOROVOD_VERSION TF_KERAS_VERSION TORCH_CPU_INDEX TENSORBOARD_VERSION \
+        TRANSFORMERS_VERSION PEFT_VERSION SAFETENSORS_VERSION H5PY_VERSION; do
         pins+=("$pin=${!pin}")
     done
     if [[ $FLAVOR == cpu ]]; then
@@ -140,7 +141,7 @@ build_args() {
     parent=$(parent_of "$image")
     [[ -z $parent ]] || pins+=("PARENT=$(qualified "$(local_name "$parent")")")
     local declared
-    declared=" $(sed -n 's/^ARG \([A-Z_]*\).*/\1/p' "$(containerfile_of "$image")" | tr '\n' ' ') "
+    declared=" $(sed -n 's/^ARG \([A-Z0-9_]*\).*/\1/p' "$(containerfile_of "$image")" | tr '\n' ' ') "
     for pin in "${pins[@]}"; do
         [[ $declared == *" ${pin%%=*} "* ]] && printf '%s\n' --build-arg "$pin"
     done

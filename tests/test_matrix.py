@@ -88,11 +88,12 @@ def load_cells() -> list[dict]:
     cells = tomllib.loads(MATRIX.read_text())["cell"]
     for cell in cells:
         unknown = set(cell) - {"image", "recipe", "runtime", "image_from", "user", "nodes", "tasks_per_node",
-                               "devices_per_task", "layout", "args", "expect", "tier", "data"}
+                               "devices_per_task", "layout", "args", "expect", "tier", "data", "model"}
         assert not unknown, f"matrix.toml: unknown keys {unknown} in {cell}"
         assert cell["expect"] in ("pass", "config-error"), cell
         assert cell.setdefault("tier", "default") in ("default", "full"), cell
         assert cell.setdefault("data", False) in (True, False) and not (cell["data"] and cell["expect"] != "pass"), cell
+        assert cell.setdefault("model", False) in (True, False) and not (cell["model"] and cell["expect"] != "pass"), cell
         assert cell["runtime"] in RUNTIMES, cell
         cell.setdefault("user", "normal" if cell["runtime"] in BY_DEFAULT_AS_USER else "root")
         assert cell["user"] in ("normal", "root") and (cell["user"] == "normal" or cell["runtime"] not in AS_USER), cell
@@ -109,7 +110,7 @@ def cell_id(cell: dict) -> str:
             f"-{cell['nodes']}x{cell['tasks_per_node']}-"
             + ("" if cell["runtime"] == "none" or cell["image_from"] == "env" else f"image_{cell['image_from']}-")
             + f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else "")
-            + ("-token_file" if cell["data"] else ""))
+            + ("-token_file" if cell["data"] else "") + ("-hf_model" if cell["model"] else ""))
 
 
 CELLS = load_cells()
@@ -173,6 +174,27 @@ def shared_token_file() -> Path:
     shutil.rmtree(directory)
 
 
+@pytest.fixture(scope="session")
+def shared_hf_model() -> Path:
+    """A Hugging Face model directory as a user's (a tiny Llama, save_pretrained): outside any checkout, in a
+    directory every user can read, as shared_token_file is."""
+    directory = Path(tempfile.mkdtemp(prefix="hpcml-model-", dir="/tmp"))
+    made = run([sys.executable, "-c", f"""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)).save_pretrained({str(directory / "llama")!r})
+"""], env=recipe_env(HF_HUB_DISABLE_PROGRESS_BARS="1"), timeout=300)
+    assert made.returncode == 0, made.stderr
+    for path in (directory, directory / "llama"):
+        path.chmod(0o755)
+    for path in (directory / "llama").iterdir():
+        path.chmod(0o644)
+    yield directory / "llama"
+    shutil.rmtree(directory)
+
+
 def parse_layout(layout: str) -> dict[str, int]:
     return {key: int(value) for key, value in (part.split("=") for part in layout.split(","))}
 
@@ -208,6 +230,8 @@ def test_matrix_has_a_passing_cell_per_recipe_and_runtime():
     assert {c["image_from"] for c in default if c["runtime"] == "shifter"} == {"sbatch", "env", "recorded"}
     # a data set from a shared file system: mounted by the site (Shifter) and through CONTAINER_MOUNTS (podman-hpc)
     assert {c["runtime"] for c in default if c["data"]} >= {"shifter", "podman-hpc"}
+    # ... and a Hugging Face model directory, fine-tuned sharded (FSDP2 x TP, ZeRO-3), likewise
+    assert {c["runtime"] for c in default if c["model"]} >= {"shifter", "podman-hpc"}
     for cell in CELLS:
         ranks = cell["nodes"] * cell["tasks_per_node"] * cell.get("devices_per_task", 1)
         assert math.prod(parse_layout(cell["layout"]).values()) == ranks, cell
@@ -220,11 +244,17 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     args = [*RECIPE_BASE_ARGS.get(recipe, BASE_ARGS), *RECIPE_SGD.get(recipe, SGD), *cell["args"]]
     image = f"hpcml/{cell['image']}:cpu"
     env, options, user, work = {"CONTAINER_RUNTIME": runtime}, [], None, tmp_path
+    mounts = []  # (podman and podman-hpc: CONTAINER_MOUNTS; Shifter mounts /tmp, as Perlmutter its file systems)
     if cell["data"]:  # a data set outside the checkout, mounted as a user mounts one
         token_file = request.getfixturevalue("shared_token_file")
         args += ["--data", str(token_file), *EVAL, *DATA_LR]
-        if runtime in ("podman", "podman-hpc"):
-            env["CONTAINER_MOUNTS"] = str(token_file.parent)
+        mounts.append(str(token_file.parent))
+    if cell["model"]:  # a Hugging Face model directory outside the checkout, likewise
+        model_dir = request.getfixturevalue("shared_hf_model")
+        args += ["--model", f"hf:{model_dir}"]
+        mounts.append(str(model_dir.parent))
+    if mounts and runtime in ("podman", "podman-hpc"):
+        env["CONTAINER_MOUNTS"] = " ".join(mounts)
     if cell["user"] == "normal":  # a normal user, as every Perlmutter user, from their own checkout
         # (rootless podman needs what podman-hpc's set-up gives the user: /dev/fuse, host networking)
         user = request.getfixturevalue("cluster_user" if runtime in ("shifter", "none") else "podman_hpc_user")
@@ -279,6 +309,10 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
         assert metrics["replicas"] == cell["devices_per_task"] and metrics["model_wrapper"] == "MirroredStrategy"
     if "--zero-stage" in args:
         assert metrics["zero_stage"] == int(args[args.index("--zero-stage") + 1])
+    if cell["model"]:  # the user's model, loaded from their directory inside the container
+        assert metrics["model"] == f"hf:{model_dir}", metrics["model"]
+        if "--zero-stage" in args and args[args.index("--zero-stage") + 1] == "3":
+            assert metrics["loaded_partitioned"], metrics  # straight into ZeRO-3's shards
     if recipe == "deepspeed":
         assert metrics["model_wrapper"] == ("PipelineEngine" if "--pp" in args else "DeepSpeedEngine"), metrics
     # Each rank's host, against the nodes Slurm recorded for the job (block distribution: rank r on node

@@ -23,7 +23,8 @@ def test_requirements_and_image_pins_agree():
     image = {"torch": env["TORCH_VERSION_cpu"], "numpy": env["NUMPY_VERSION_cpu"],
              "accelerate": env["ACCELERATE_VERSION"], "deepspeed": env["DEEPSPEED_VERSION"],
              "megatron-core": env["MEGATRON_CORE_VERSION"], "psutil": env["PSUTIL_VERSION"],
-             "tensorboard": env["TENSORBOARD_VERSION"]}
+             "tensorboard": env["TENSORBOARD_VERSION"], "transformers": env["TRANSFORMERS_VERSION"],
+             "peft": env["PEFT_VERSION"], "safetensors": env["SAFETENSORS_VERSION"], "h5py": env["H5PY_VERSION"]}
     assert {name: bare.get(name) for name in image} == image
 
 
