@@ -2,6 +2,7 @@
 nothing else (no process group, no checkpoints, no metrics logger, no signal handling).
 
     python bench/bare_loop.py --out result.json --global-batch 8 --max-steps 30 [model options]
+    python bench/bare_loop.py --out result.json --model hf:DIR --seq-len 128    # a Hugging Face model
 
 Writes per-step times and losses, so the benchmark compares like with like and can check that both
 loops trained the very same model.
@@ -30,11 +31,15 @@ def main() -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--untie-embeddings", action="store_true", help="a separate output layer (the FSDP2/TP/PP recipe's)")
+    p.add_argument("--model", default="gpt", help="gpt, or hf:DIR: a Hugging Face causal LM under the recipes' loss")
     args = p.parse_args()
 
     torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd,
-                          tie_embeddings=not args.untie_embeddings))
+    if args.model == "gpt":
+        model = GPT(GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd,
+                              tie_embeddings=not args.untie_embeddings))
+    else:  # the same module the recipes build for --model hf:DIR (its loss: the logits against the next tokens)
+        model = harness.model_spec(argparse.Namespace(model=args.model, seq_len=args.seq_len)).build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     model.train()

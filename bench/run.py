@@ -5,6 +5,7 @@
     python bench/run.py --no-containers # without podman
     python bench/run.py --recipes ddp megatron_tp_pp
     python bench/run.py --quick --images-only   # image sizes and the rebuild after a recipe edit only
+    python bench/run.py --hugging-face-only     # a Hugging Face model through each recipe against the bare loop
 
 This machine is shared and noisy, so absolute numbers mean little here: every figure that matters is a
 ratio of two measurements taken alternately (A, B, A, B, ...) in the same run, each process with one thread.
@@ -20,7 +21,10 @@ For each recipe (ddp, accelerate, deepspeed, megatron_tp_pp, fsdp_tp_pp):
 - container:  the recipe bare against the same recipe in its cpu image (podman): start-up and throughput
 - mfu:        the recipe's MFU (6N + 12*L*d*T FLOPs per token against a matmul peak measured in the run)
 
-and once: images: size of each cpu image, cold build time (full run), rebuild after a one-line recipe edit.
+and once: images: size of each cpu image, cold build time (full run), rebuild after a one-line recipe edit;
+hugging_face: a Llama-style Hugging Face model (made here, nothing downloaded; a step of about 0.3 s in the
+full run) through each recipe that takes --model hf:DIR, on 1 process, against the bare loop on the same
+model and batch (the same overhead target).
 Writes OUT/bench.json, OUT/loss_curves.png, OUT/throughput.png, OUT/scaling.png and OUT/RESULTS.md.
 """
 
@@ -165,10 +169,11 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def bench_overhead(subject: Subject, work: Path, model_args: list[str], batch: int, steps: int, repeats: int) -> dict:
+def bench_overhead(subject: Subject, work: Path, model_args: list[str], batch: int, steps: int, repeats: int,
+                   label: str = "overhead") -> dict:
     args = [*model_args, *subject.batch_args(batch, 1), "--max-steps", str(steps)]
-    recipe, bare = paired(lambda i: recipe_run(subject, work, f"{subject.recipe}-overhead-recipe-{i}", args),
-                          lambda i: bare_run(subject, work, f"{subject.recipe}-overhead-bare-{i}", model_args, batch, steps),
+    recipe, bare = paired(lambda i: recipe_run(subject, work, f"{subject.recipe}-{label}-recipe-{i}", args),
+                          lambda i: bare_run(subject, work, f"{subject.recipe}-{label}-bare-{i}", model_args, batch, steps),
                           repeats)
     result = ratio_summary([r["samples_per_s"] for r in recipe], [b["samples_per_s"] for b in bare])
     return {**result, "target": TARGETS["overhead_ratio"], "meets_target": result["ratio"] >= TARGETS["overhead_ratio"],
@@ -244,6 +249,41 @@ def bench_recipe(subject: Subject, work: Path, quick: bool, repeats: int, steps:
     if containers:
         print(f"bench: {subject.recipe}: container cost ({image_name(subject.image)}) ...", flush=True)
         result["container"] = bench_container(subject, work, model_args, batch, steps, repeats)
+    return result
+
+
+HUGGING_FACE_RECIPES = ("ddp", "accelerate", "deepspeed", "fsdp_tp_pp")  # the recipes that take --model hf:DIR
+
+
+def make_llama(directory: Path, quick: bool) -> dict:
+    """A Llama-style causal LM saved as save_pretrained writes one; its config (as recorded in bench.json)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # (and DeepSpeed told, as the recipes tell it)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    width, layers = (64, 2) if quick else (256, 4)
+    config = LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return {key: getattr(config, key) for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "num_key_value_heads")}
+
+
+def bench_hugging_face(names: list[str], work: Path, quick: bool, repeats: int, steps: int, batch: int) -> dict:
+    """The overhead of each recipe on a Hugging Face model (1 process) against the bare loop on the same model."""
+    directory = work / "bench-llama"
+    config = make_llama(directory, quick)
+    seq = "32" if quick else "128"
+    model_args = ["--model", f"hf:{directory}", "--seq-len", seq]
+    result = {"model": config, "seq_len": int(seq), "batch": batch, "recipes": {}}
+    for name in names:
+        print(f"bench: {name}: a Hugging Face model, recipe vs bare loop ...", flush=True)
+        overhead = bench_overhead(SUBJECTS[name], work, model_args, batch, steps, repeats, label="hf")
+        overhead.pop("_recipe")
+        overhead["bare_step_time_s"] = [batch / value for value in overhead["bare_samples_per_s"]]
+        result["recipes"][name] = overhead
     return result
 
 
@@ -362,6 +402,15 @@ def markdown(results: dict) -> str:
         if images["cold_build_s"] is not None:
             lines.append(f"| cold build of ddp ({images['cold_build_scope']}) (s) | {images['cold_build_s']:.0f} | | |")
         lines += [f"| size: {name} (MB) | {size:.0f} | | |" for name, size in images["size_mb"].items()]
+    hugging_face = results.get("hugging_face")
+    if hugging_face:
+        model = hugging_face["model"]
+        lines += ["", f"A Hugging Face Llama ({model['num_hidden_layers']} layers, width {model['hidden_size']}, "
+                  f"sequence {hugging_face['seq_len']}, batch {hugging_face['batch']}) through each recipe, 1 process:", "",
+                  "| recipe | recipe / bare loop throughput | bare step (s) | target |", "|---|---|---|---|"]
+        lines += [f"| {name} | {r['ratio']:.3f}{spread(r['ratios'])} {'' if r['meets_target'] else '(below)'} | "
+                  f"{statistics.median(r['bare_step_time_s']):.3f} | ≥ {r['target']} |"
+                  for name, r in hugging_face["recipes"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -371,10 +420,17 @@ def main() -> None:
     p.add_argument("--no-containers", action="store_true", help="skip the podman and image measurements")
     p.add_argument("--recipes", nargs="+", choices=list(SUBJECTS), default=list(SUBJECTS))
     p.add_argument("--images-only", action="store_true", help="only the image measurements (sizes, rebuild time)")
+    p.add_argument("--no-hugging-face", action="store_true", help="skip the Hugging Face model through the recipes")
+    p.add_argument("--hugging-face-only", action="store_true",
+                   help="only the Hugging Face model through the recipes (no per-recipe GPT measurements, no images)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     args = p.parse_args()
     if args.images_only and args.no_containers:
         p.error("--images-only and --no-containers leave nothing to measure: drop one")
+    if args.hugging_face_only and (args.images_only or args.no_hugging_face):
+        p.error("--hugging-face-only goes with neither --images-only nor --no-hugging-face")
+    if args.hugging_face_only:
+        args.no_containers = True
     import torch
 
     quick = args.quick
@@ -395,9 +451,12 @@ def main() -> None:
     if args.images_only:
         args.recipes = []
     with tempfile.TemporaryDirectory(prefix="hpcml-bench-") as tmp:
-        for name in args.recipes:
+        for name in [] if args.hugging_face_only else args.recipes:
             results["recipes"][name] = bench_recipe(SUBJECTS[name], Path(tmp), quick, repeats, steps, batch,
                                                     containers=not args.no_containers)
+        hugging_face = [name for name in args.recipes if name in HUGGING_FACE_RECIPES]
+        if hugging_face and not args.no_hugging_face:
+            results["hugging_face"] = bench_hugging_face(hugging_face, Path(tmp), quick, repeats, steps, batch)
     figures = "loss_curves.png, throughput.png, scaling.png"
     if results["recipes"]:
         plot(results, args.out)

@@ -26,7 +26,7 @@ def test_quick_benchmark_writes_json_figures_and_table(every_recipe, bench_image
                  env=container_env(), timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     bench = json.loads((tmp_path / "bench.json").read_text())
-    assert set(bench) == ({"meta", "recipes", "images"} if every_recipe else {"meta", "recipes"})
+    assert set(bench) == ({"meta", "recipes", "images", "hugging_face"} if every_recipe else {"meta", "recipes", "hugging_face"})
     assert bench["meta"]["mode"] == "quick" and bench["meta"]["threads_per_process"] == 1
     # Every recipe that exists is measured, or listed with the reason it is not (bench/run.py: NOT_MEASURED).
     sys.path.insert(0, str(REPO / "bench"))
@@ -65,6 +65,16 @@ def test_quick_benchmark_writes_json_figures_and_table(every_recipe, bench_image
             assert container["loss_max_rel_diff"] < 1e-6, name
         assert 0 < measured["mfu"]["mfu"] < 1 and measured["mfu"]["peak_source"].startswith("measured"), name
 
+    # A Hugging Face model through each recipe that takes one, against the bare loop on the same model
+    hugging_face = bench["hugging_face"]
+    assert list(hugging_face["recipes"]) == [name for name in bench["recipes"] if name != "megatron_tp_pp"]
+    assert hugging_face["model"]["num_key_value_heads"] == 2
+    for name, overhead in hugging_face["recipes"].items():
+        pairs = [r / b for r, b in zip(overhead["recipe_samples_per_s"], overhead["bare_samples_per_s"])]
+        assert overhead["ratios"] == pairs and overhead["ratio"] == statistics.median(pairs), name
+        assert overhead["meets_target"] == (overhead["ratio"] >= 0.97) and overhead["loss_max_rel_diff"] < 1e-6, name
+        assert all(t == 4 / s for t, s in zip(overhead["bare_step_time_s"], overhead["bare_samples_per_s"])), name
+
     if every_recipe:
         images = bench["images"]
         assert images["size_mb"]["ddp"] > 100 and images["recipe_edit_rebuild_s"] > 0
@@ -80,6 +90,7 @@ def test_quick_benchmark_writes_json_figures_and_table(every_recipe, bench_image
     assert f"| measure | {' | '.join(bench['recipes'])} | target |" in table
     overhead_row = next(line for line in table.splitlines() if line.startswith("| overhead: "))
     assert all(f"| {measured['overhead']['ratio']:.3f}" in overhead_row for measured in bench["recipes"].values()), table
+    assert all(f"| {name} | {overhead['ratio']:.3f}" in table for name, overhead in hugging_face["recipes"].items()), table
 
 
 def test_bench_builds_the_images_before_it_measures_them(ddp_image, tmp_path):
@@ -161,3 +172,17 @@ def test_data_loader_benchmark_measures_cold_cached_and_read_ahead_against_train
         assert figure["ratio_to_training"] == pytest.approx(figure["tokens_per_s"] / training)
     assert "loader/training: cold" in result.stdout
     assert loader["cold"]["resident_bytes_after_evict"] == [0]  # (fincore) nothing of PREFIX.bin left in the page cache
+
+
+def test_the_committed_hugging_face_table_is_its_json():
+    """bench/RESULTS.md quotes the Hugging Face figures of bench/hugging_face.json as bench/run.py renders them
+    (a number edited by hand, or a JSON replaced without its table, fails here)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from run import markdown
+
+    measured = json.loads((REPO / "bench" / "hugging_face.json").read_text())
+    rendered = markdown({"meta": measured["meta"], "recipes": {}, "hugging_face": measured["hugging_face"]})
+    table = rendered[rendered.index("A Hugging Face Llama"):]
+    assert table in (REPO / "bench" / "RESULTS.md").read_text()
+    assert set(measured["hugging_face"]["recipes"]) == {"ddp", "accelerate", "deepspeed", "fsdp_tp_pp"}
+    assert all(r["loss_max_rel_diff"] == 0.0 for r in measured["hugging_face"]["recipes"].values())
