@@ -227,24 +227,40 @@ def test_the_schedule_and_clipping_resume_exactly(recipe, tmp_path):
 # ---- what cannot be done: one line, exit 2, before any rank trains
 
 
-@pytest.mark.parametrize("case", ["tp-heads", "tp-lora", "pp-model", "lora-gpt", "lora-deepspeed", "warmup", "clip"])
+ACCELERATE_RECIPE = REPO / "recipes" / "accelerate" / "train.py"
+BOTH, PREFLIGHT, PLAIN = ("preflight", "plain"), ("preflight",), ("plain",)
+
+
+@pytest.mark.parametrize("case", ["tp-heads", "tp-lora", "pp-model", "lora-gpt", "lora-deepspeed", "warmup", "clip",
+                                  "accelerate-cpu", "accelerate-heads", "accelerate-tp-gpt", "accelerate-layout"])
 def test_a_fine_tuning_option_that_cannot_work_is_one_line_before_any_rank(case, tiny_llama, tmp_path):
+    """--preflight WORLD checks the options for WORLD ranks, as slurm/lib/launch.sh runs it before srun; a plain
+    run is one process (so a layout for 4 ranks is the preflight's to refuse). accelerate's --dp-shard/--tp
+    (ParallelismConfig, GPUs only) is refused on a CPU by the ranks themselves: a login node's preflight
+    passes it on to the GPU nodes."""
     hf = ["--model", f"hf:{tiny_llama}"]
-    recipe, world, args, message = {
-        "tp-heads": (FSDP_RECIPE, 4, [*hf, "--tp", "4"], "num_key_value_heads (the model's config) 2 is not divisible "
-                     "by --tp 4: each TP rank takes whole heads (use a --tp that divides 2)"),
-        "tp-lora": (FSDP_RECIPE, 4, [*hf, "--tp", "2", "--lora-rank", "4"], "--lora-rank with --tp 2: LoRA's adapters"),
-        "pp-model": (FSDP_RECIPE, 2, [*hf, "--tp", "1", "--pp", "2"], f"--pp 2 with --model hf:{tiny_llama}: the "
-                     "pipeline cuts the stack's GPT"),
-        "lora-gpt": (DDP_RECIPE, 2, ["--lora-rank", "4"], "--lora-rank wraps a Hugging Face model's linear layers"),
-        "lora-deepspeed": (DEEPSPEED_RECIPE, 2, [*hf, "--lora-rank", "4"], "--lora-rank: recipes/ddp and "
+    recipe, world, modes, args, message = {
+        "tp-heads": (FSDP_RECIPE, 4, PREFLIGHT, [*hf, "--tp", "4"], "num_key_value_heads (the model's config) 2 is not "
+                     "divisible by --tp 4: each TP rank takes whole heads (use a --tp that divides 2)"),
+        "tp-lora": (FSDP_RECIPE, 4, PREFLIGHT, [*hf, "--tp", "2", "--lora-rank", "4"], "--lora-rank with --tp 2: LoRA's adapters"),
+        "pp-model": (FSDP_RECIPE, 2, PREFLIGHT, [*hf, "--tp", "1", "--pp", "2"], f"--pp 2 with --model hf:{tiny_llama}: "
+                     "the pipeline cuts the stack's GPT"),
+        "lora-gpt": (DDP_RECIPE, 2, BOTH, ["--lora-rank", "4"], "--lora-rank wraps a Hugging Face model's linear layers"),
+        "lora-deepspeed": (DEEPSPEED_RECIPE, 2, BOTH, [*hf, "--lora-rank", "4"], "--lora-rank: recipes/ddp and "
                            "recipes/fsdp_tp_pp fine-tune with LoRA; deepspeed does not"),
-        "warmup": (DDP_RECIPE, 2, ["--warmup-steps", "-1"], "--warmup-steps must be 0 (no warmup) or more, got -1"),
-        "clip": (FSDP_RECIPE, 2, ["--clip-grad", "nan"], "--clip-grad must be 0 (no clipping) or a positive norm"),
+        "warmup": (DDP_RECIPE, 2, BOTH, ["--warmup-steps", "-1"], "--warmup-steps must be 0 (no warmup) or more, got -1"),
+        "clip": (FSDP_RECIPE, 2, BOTH, ["--clip-grad", "nan"], "--clip-grad must be 0 (no clipping) or a positive norm"),
+        "accelerate-cpu": (ACCELERATE_RECIPE, 1, PLAIN, [*hf, "--dp-shard", "1"], "--dp-shard/--tp: accelerate's "
+                           "ParallelismConfig runs on GPUs only (it refuses a CPU world); on a CPU, recipes/fsdp_tp_pp"),
+        "accelerate-heads": (ACCELERATE_RECIPE, 4, PREFLIGHT, [*hf, "--tp", "4"],
+                             "num_key_value_heads (the model's config) 2 is not divisible by --tp 4"),
+        "accelerate-tp-gpt": (ACCELERATE_RECIPE, 4, PREFLIGHT, ["--tp", "2"], "--tp 2: accelerate cuts a Hugging Face "
+                              "model with its own TP plan; --model gpt has none here"),
+        "accelerate-layout": (ACCELERATE_RECIPE, 4, PREFLIGHT, [*hf, "--dp-shard", "3", "--tp", "2"],
+                              "--dp-shard 3 x --tp 2 = 6, but the job has 4 ranks"),
     }[case]
-    # (--preflight WORLD checks a layout for WORLD ranks, as slurm/lib/launch.sh runs it; a plain run is one process)
-    layout_case = case in ("tp-heads", "tp-lora", "pp-model")
-    for preflight in (["--preflight", str(world)], *([] if layout_case else [[]])):
+    for mode in modes:
+        preflight = ["--preflight", str(world)] if mode == "preflight" else []
         result = run([sys.executable, str(recipe), "--out-dir", str(tmp_path / "run"), *args, "--max-steps", "1",
                       *preflight], env=recipe_env(), timeout=120)
         lines = result.stderr.strip().splitlines()

@@ -268,6 +268,26 @@ def test_horovod_torch_two_ranks_train_what_one_process_trains(tmp_path):
     assert max_relative_difference(losses(read_metrics(tmp_path / "summed")), losses(reference)) > 100 * LOSS_RTOL
 
 
+def test_horovod_torch_trains_your_module_with_the_schedule_and_clipping_as_one_process(tmp_path):
+    """--model MODULE:FACTORY (recipes/examples/bigram.py) with warmup, a cosine schedule and clipping (the
+    bigram's gradient norms here: 0.048 to 0.054, clipped at 0.05) on 2 Horovod ranks: the losses, learning
+    rates and gradient norms of one process (the norm is taken after Horovod's average: synchronize(), then
+    clip, then step)."""
+    bigram = f"{REPO / 'recipes' / 'examples' / 'bigram.py'}:build"
+    sgd = [*TORCH_STEPS, "--optimizer", "sgd", *EVAL, "--model", bigram, "--warmup-steps", "2", "--lr-schedule", "cosine",
+           "--clip-grad", "0.05"]
+    reference = horovod_reference(tmp_path, HOROVOD_TORCH, 2, 8, GPT_SGD_LR, sgd)
+    ok(horovodrun(HOROVOD_TORCH, tmp_path / "two", 2, *sgd, "--batch-per-rank", "8", "--lr", str(GPT_SGD_LR)))
+    metrics = read_metrics(tmp_path / "two")
+    assert (metrics["world_size"], metrics["model_wrapper"], metrics["model"]) == (2, "DistributedOptimizer", bigram)
+    assert metrics["param_max_abs_diff_across_ranks"] == 0.0
+    assert_same_training(metrics, reference)
+    rates = [[record["lr"] for record in run["history"]] for run in (metrics, reference)]
+    norms = [[record["grad_norm"] for record in run["history"]] for run in (metrics, reference)]
+    assert rates[0] == rates[1] and rates[0][:2] == [0.5, 1.0]
+    assert max_relative_difference(*norms) <= LOSS_RTOL and sum(norm > 0.05 for norm in norms[1]) >= 2
+
+
 # ---- srun without MPI: the rendezvous layout recipes/horovod/horovod_launch.py gives every rank
 
 def test_slurm_task_layout_becomes_horovods_rank_layout():

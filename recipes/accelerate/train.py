@@ -20,6 +20,10 @@ file runs on CPU (gloo) and on GPUs (NCCL, bf16 autocast). Gradient accumulation
     # a Hugging Face causal LM saved in a directory, or your own module, instead of the GPT (harness/model.py)
     accelerate launch --multi_gpu --num_processes 2 recipes/accelerate/train.py --model hf:$SCRATCH/models/my-llama
 
+    # GPUs only: accelerate's ParallelismConfig, FSDP2 over --dp-shard ranks x tensor parallel over --tp ranks
+    # (the model's own TP plan, through transformers' tp_plan="auto"); on a CPU, recipes/fsdp_tp_pp does the same
+    torchrun --standalone --nproc_per_node=4 recipes/accelerate/train.py --model hf:DIR --dp-shard 2 --tp 2
+
 Accelerator(cpu=True) where there is no GPU: without it, `--multi_gpu` on a CPU machine starts N
 independent single-process trainings that all exit 0. The run refuses to continue when the world it
 joined is not the one the launcher asked for (HPCML_EXPECTED_WORLD_SIZE), and records world size,
@@ -63,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="accelerate's mixed precision; auto = bf16 on GPU, none (float32) on CPU")
+    p.add_argument("--dp-shard", type=int, default=None,
+                   help="GPUs only: FSDP2 over this many ranks (accelerate's ParallelismConfig; default: plain DDP)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="GPUs only: tensor-parallel ranks (with --model hf:DIR: the model's own TP plan)")
     p.add_argument("--launch-config", type=Path, default=None,
                    help="the accelerate config file `accelerate launch --config_file` was given: checked against "
                         "the world size (slurm/accelerate.sh passes it)")
@@ -76,21 +84,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True)
 
 
-def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec, nodes: int | None = None) -> None:
-    """Everything that can be checked before ranks start talking to each other."""
+def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec, nodes: int | None = None) -> int:
+    """Everything that can be checked before ranks start talking to each other; the data-parallel size."""
     harness.validate_run(args, world_size)
     harness.check_model_vocabulary(model, args.vocab_size)
     harness.check_export_option(args, model)
-    harness.require_at_least_one(args, "global_batch", "grad_accum")
+    harness.require_at_least_one(args, "global_batch", "grad_accum", "tp")
     harness.require_positive(args, "lr")
-    harness.require_divisible("--global-batch", args.global_batch, world_size * args.grad_accum,
-                              f"world size {world_size} x --grad-accum {args.grad_accum} = {world_size * args.grad_accum}")
+    dp = data_parallel_size(args, world_size, model)
+    harness.require_divisible("--global-batch", args.global_batch, dp * args.grad_accum,
+                              f"{dp} data-parallel ranks x --grad-accum {args.grad_accum} = {dp * args.grad_accum}")
     if args.skip_grad_allreduce and args.grad_accum != 1:
         raise harness.ConfigError("--skip-grad-allreduce needs --grad-accum 1")
     if args.test_break == "accum-sum" and args.grad_accum == 1:
         raise harness.ConfigError("--test-break accum-sum needs --grad-accum 2 or more")
     if args.launch_config is not None:
         check_launch_config(args.launch_config, world_size, nodes)
+    return dp
+
+
+def data_parallel_size(args: argparse.Namespace, world_size: int, model: harness.ModelSpec) -> int:
+    """The ranks that take different rows of a step's batch: the world, or with --dp-shard/--tp (accelerate's
+    ParallelismConfig: FSDP2 x TP) the FSDP ranks; the layout's rules checked here, one line each."""
+    if args.dp_shard is None and args.tp == 1:
+        return world_size
+    if args.preflight is None and not torch.cuda.is_available():
+        raise harness.ConfigError("--dp-shard/--tp: accelerate's ParallelismConfig runs on GPUs only (it refuses a CPU "
+                                  "world); on a CPU, recipes/fsdp_tp_pp trains FSDP2 x TP: use it, or leave both out")
+    dp_shard = args.dp_shard if args.dp_shard is not None else world_size // args.tp
+    if dp_shard < 1 or dp_shard * args.tp != world_size:
+        raise harness.ConfigError(f"--dp-shard {dp_shard} x --tp {args.tp} = {dp_shard * args.tp}, but the job has "
+                                  f"{world_size} ranks: make the product the world size (or leave --dp-shard out)")
+    if args.tp > 1 and not model.name.startswith("hf:"):
+        raise harness.ConfigError(f"--tp {args.tp}: accelerate cuts a Hugging Face model with its own TP plan; "
+                                  f"--model {model.name} has none here (use --model hf:DIR, or recipes/fsdp_tp_pp)")
+    for what, count in (model.tp_divides or {}).items():
+        if count % args.tp:
+            raise harness.ConfigError(f"{what} {count} is not divisible by --tp {args.tp}: each TP rank takes whole heads")
+    if args.export_hf:
+        raise harness.ConfigError("--export-hf with --dp-shard/--tp is not supported yet: export the run's checkpoint "
+                                  "with recipes/export_hf.py, or train with recipes/fsdp_tp_pp")
+    return dp_shard
 
 
 def check_launch_config(path: Path, world_size: int, nodes: int | None) -> None:
@@ -115,6 +149,19 @@ def check_launch_config(path: Path, world_size: int, nodes: int | None) -> None:
                                   "trains plain DDP): use recipes/accelerate/multi_gpu.yaml here")
 
 
+def parallelism_options(args: argparse.Namespace, dp_shard: int) -> dict:
+    """Accelerator options for --dp-shard/--tp: a ParallelismConfig and FSDP2 (each decoder layer a unit: the
+    model's _no_split_modules); {} for plain DDP."""
+    if args.dp_shard is None and args.tp == 1:
+        return {}
+    from accelerate import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return {"parallelism_config": ParallelismConfig(dp_shard_size=dp_shard, tp_size=args.tp),
+            "fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                          state_dict_type="SHARDED_STATE_DICT")}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # the stack's GPT, or --model hf:DIR (a Hugging Face model) or MODULE:FACTORY (yours): harness/model.py
@@ -126,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         resume_from, _ = harness.resume_dir(args, must_match)
         return harness.preflight_line(RECIPE, f"options fit world size {args.preflight}", resume_from)
     env = harness.detect_dist_env()  # accelerate launch speaks torchrun's protocol (RANK, WORLD_SIZE, ...)
-    validate(args, env.world_size, spec, harness.nodes_in_job() if env.launcher != "single" else None)
+    dp = validate(args, env.world_size, spec, harness.nodes_in_job() if env.launcher != "single" else None)
     harness.check_expected_world_size(env.world_size)
     resume_from, trainer_state = harness.resume_dir(args, must_match)
 
@@ -134,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
     mixed_precision = {"auto": "bf16" if on_gpu else "no", "float32": "no", "bfloat16": "bf16"}[args.dtype]
     accelerator = Accelerator(
+        **parallelism_options(args, dp),  # --dp-shard/--tp: FSDP2 x TP (GPUs only); none: DDP
         cpu=not on_gpu,  # without it a CPU machine runs independent world-size-1 trainings
         mixed_precision=mixed_precision,
         gradient_accumulation_steps=args.grad_accum,
@@ -154,19 +202,24 @@ def main(argv: list[str] | None = None) -> int:
               f"distributed_type={accelerator.distributed_type.value} mixed_precision={mixed_precision} "
               f"grad_accum={args.grad_accum} launcher={env.launcher} hosts={','.join(hostnames)}", flush=True)
 
-    # ---- model and optimizer: same seed on every rank, wrapped by accelerate (DDP when world > 1)
+    # ---- model and optimizer: same seed on every rank, wrapped by accelerate (DDP when world > 1; FSDP2 x TP
+    # with --dp-shard/--tp: transformers cuts the model over the TP mesh as it loads, accelerate shards the rest)
     torch.manual_seed(args.seed)
-    raw_model = spec.build()
+    mesh = accelerator.torch_device_mesh if accelerator.parallelism_config else None
+    raw_model = spec.build(tp_plan="auto", device_mesh=mesh["tp"]) if args.tp > 1 else spec.build()
     optimizer = harness.torch_optimizer(raw_model.parameters(), args.optimizer, args.lr)
     model, optimizer = accelerator.prepare(raw_model, optimizer)
-    sharded = accelerator.distributed_type == DistributedType.FSDP  # fsdp.yaml, GPU only
+    sharded = accelerator.distributed_type == DistributedType.FSDP  # fsdp.yaml or --dp-shard, GPU only
+    # this rank's rows of a step: the FSDP coordinate (the TP ranks of a shard take the same rows)
+    dp_rank = mesh.get_local_rank("dp_shard") if mesh is not None and "dp_shard" in mesh.mesh_dim_names else \
+        (0 if mesh is not None else accelerator.process_index)
     if sharded and args.export_hf:  # (rank 0 holds a shard only; the gather is not written yet)
         raise harness.ConfigError("--export-hf with accelerate's FSDP is not supported yet: export from the DDP "
                                   "run (recipes/accelerate/multi_gpu.yaml) or from recipes/ddp/train.py")
     if world_size > 1:
         # Frameworks fall back to no parallelism silently; refuse to "train in parallel" without the wrapper.
         if sharded:
-            assert isinstance(model, FSDPModule), type(model)
+            assert isinstance(model, FSDPModule) or dp == 1, type(model)
         else:
             assert isinstance(model, DDP) and accelerator.distributed_type in (DistributedType.MULTI_CPU,
                                                                                 DistributedType.MULTI_GPU)
@@ -180,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
-    run_info = {**harness.describe_run(env, backend, device, type(model).__name__, dp=world_size), "dtype": str(dtype),
+    run_info = {**harness.describe_run(env, backend, device, type(model).__name__, dp=dp, tp=args.tp), "dtype": str(dtype),
                 "hostnames": hostnames, "distributed_type": accelerator.distributed_type.value, "grad_accum": args.grad_accum,
                 "model": spec.name}
     peak = harness.peak_flops(device, dtype, args.peak_tflops)
@@ -201,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def evaluate() -> float:
         model.eval()
-        loss = harness.validation_loss(model, validation, args, args.global_batch, accelerator.process_index,
-                                       world_size, device)
+        loss = harness.validation_loss(model, validation, args, args.global_batch, dp_rank, dp, device)
         model.train()
         return harness.mean_across_ranks(loss, world_size)
 
@@ -210,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(world_size, device))
     model.train()
-    micro_rows = args.global_batch // (world_size * args.grad_accum)
+    micro_rows = args.global_batch // (dp * args.grad_accum)
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
-                                   accelerator.process_index, world_size, device)  # (--data-workers: read ahead)
+                                   dp_rank, dp, device)  # (--data-workers: read ahead)
     for step, (inputs, targets) in zip(run.steps(), batches):
         step_loss, norm = torch.zeros((), device=device), None
         lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
@@ -242,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     run.save_last(save)
 
     # ---- prove from inside the run that the ranks really trained one model together
-    # (FSDP: each rank holds a different shard by design; the loss parity on GPU is its check)
-    spread = None if sharded else harness.max_difference_across_ranks(
+    # (FSDP, TP: each rank holds different shards by design; the loss parity on GPU is their check)
+    spread = None if sharded or mesh is not None else harness.max_difference_across_ranks(
         list(accelerator.unwrap_model(model).parameters()), world_size)
     exit_code = run.finish(metrics, spread)
     if args.export_hf and is_rank0 and exit_code == 0 and run.last_step == args.max_steps:  # (a finished run)

@@ -41,7 +41,8 @@ class ModelSpec:
     name: str  # the --model value, as given
     identity: dict  # compared with a checkpoint's before resuming (harness.resume_file's must_match; its keys
     # sit beside the checkpoint's own, "model" among them: none of them is "model")
-    build: Callable[[], "torch.nn.Module"]  # a module meeting the contract above, on the CPU
+    build: Callable[..., "torch.nn.Module"]  # a module meeting the contract above, on the CPU (a Hugging Face
+    # model takes from_pretrained's keyword arguments too, e.g. tp_plan and device_mesh)
     vocab_size: int | None = None  # the token ids the model takes (None: not a language model, or unknown)
     # what tensor parallelism must divide, e.g. {"--n-head": 4}: each TP rank takes whole heads (None: the
     # model's TP plan is not known before it is built; recipes/fsdp_tp_pp then defaults to --tp 1)
@@ -119,13 +120,14 @@ def hugging_face_spec(name: str, args) -> ModelSpec:
     heads = {f"{key} (the model's config)": getattr(config, key) for key in ("num_attention_heads", "num_key_value_heads")
              if isinstance(getattr(config, key, None), int)}
 
-    def build() -> "torch.nn.Module":
+    def build(**load_options) -> "torch.nn.Module":
         import torch
         from transformers import AutoModelForCausalLM
 
         from .hf_model import CausalLMLoss, with_lora
 
-        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32,
+                                                     **load_options)
         return CausalLMLoss(with_lora(model, lora_rank) if lora_rank else model, args.seq_len)
 
     return ModelSpec(name, identity, build, vocab_size, heads or None)

@@ -8,6 +8,10 @@ maintained with PyTorch; Horovod's last release is from 2023). Launched like rec
     srun -N 2 --ntasks-per-node=4 python recipes/horovod/train_torch.py
     RECIPE=recipes/horovod/train_torch.py sbatch slurm/horovod.sh
 
+    # your own module and data instead of the GPT (harness/model.py; a Hugging Face model needs transformers,
+    # which the TensorFlow/Horovod environment does not carry: use recipes/ddp for those)
+    horovodrun --gloo -np 2 -H localhost:2 python recipes/horovod/train_torch.py --model path/to/mymodel.py:build
+
 Each rank trains on its --batch-per-rank rows of the step's global batch; hvd.DistributedOptimizer averages
 the gradients, and the learning rate is --lr x world size. Rank 0 logs, writes OUT_DIR/metrics.json,
 TensorBoard events and the checkpoints (every --checkpoint-every steps and at the end); a rerun with the
@@ -17,9 +21,9 @@ same --out-dir resumes; SIGUSR1/SIGTERM checkpoint and stop, as in the other rec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -36,26 +40,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.new_parser(__doc__)
     horovod_launch.add_batch_options(p, lr=3e-3, optimizer="AdamW")
     harness.add_optimizer_option(p)
+    harness.add_schedule_options(p)
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: the plain optimizer, no averaging (the negative control)")
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "Horovod sums the ranks' gradients instead of averaging them"})
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, collective_timeout=False)
+    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, collective_timeout=False, user_models=True)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
+def validate(args: argparse.Namespace, world_size: int, spec: harness.ModelSpec) -> None:
     harness.validate_run(args, world_size)
+    harness.check_model_vocabulary(spec, args.vocab_size)
+    harness.check_export_option(args, spec)
     harness.require_at_least_one(args, "batch_per_rank")
     harness.require_positive(args, "lr")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_cfg = GPTConfig.from_args(args)
-    must_match = lambda world_size: {"model_cfg": asdict(model_cfg), "global_batch": args.batch_per_rank * world_size,  # noqa: E731
-                                     "optimizer_name": args.optimizer}
+    # the stack's GPT, or --model MODULE:FACTORY (yours) or hf:DIR (where transformers is installed): harness/model.py
+    spec = harness.model_spec(args, gpt=GPT, gpt_config=GPTConfig.from_args(args))
+    must_match = lambda world_size: {**spec.identity, "global_batch": args.batch_per_rank * world_size,  # noqa: E731
+                                     "optimizer_name": args.optimizer, **harness.schedule_identity(args)}
     horovod_launch.check_mpi_controller()
     if args.preflight is not None:
-        validate(args, args.preflight)
+        validate(args, args.preflight, spec)
         resume_from, _ = harness.resume_file(args, must_match(args.preflight))
         return harness.preflight_line(RECIPE, f"options fit world size {args.preflight}", resume_from)
 
@@ -67,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     hvd.init()
     rank, world_size = hvd.rank(), hvd.size()
     harness.check_expected_world_size(world_size)
-    validate(args, world_size)
+    validate(args, world_size, spec)
     if torch.cuda.is_available():
         device = torch.device("cuda", harness.gpu_for_local_rank(hvd.local_rank(), torch.cuda.device_count()))
         torch.cuda.set_device(device)
@@ -81,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- model and optimizer; Horovod's wrapper averages the gradients during backward
     torch.manual_seed(args.seed)
-    model = GPT(model_cfg).to(device)
-    lr = args.lr * world_size
+    model = spec.build().to(device)
+    lr = args.lr * world_size  # (and the schedule's rate x world size at every step)
     optimizer = harness.torch_optimizer(model.parameters(), args.optimizer, lr)
     resume_from, state = harness.resume_file(args, must_match(world_size))
     start_step, history = 0, []
@@ -104,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     global_batch = args.batch_per_rank * world_size
     env = harness.DistEnv(rank, hvd.local_rank(), world_size, "", 0, launcher)
     versions = {"torch_version": torch.__version__, "horovod_version": horovod.__version__}
-    run_info = {**harness.describe_run(env, f"horovod-{controller}", device, wrapper, versions, dp=world_size), "lr_used": lr}
+    run_info = {**harness.describe_run(env, f"horovod-{controller}", device, wrapper, versions, dp=world_size),
+                "lr_used": lr, "model": spec.name}
     metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=world_size,
-                                    size=model.size(), peak=harness.peak_flops(device, torch.float32, args.peak_tflops))
+                                    size=harness.model_size(model),
+                                    peak=harness.peak_flops(device, torch.float32, args.peak_tflops))
 
     def save(step: int) -> None:
         if is_rank0:
@@ -135,9 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad()  # (Horovod's wrapper takes no set_to_none)
         loss = model(inputs, targets)
         loss.backward()  # DistributedOptimizer starts an all-reduce per gradient as it becomes ready
-        optimizer.step()  # ...and waits for them here
+        averaged = wrapper == "DistributedOptimizer"
+        if averaged:
+            optimizer.synchronize()  # ...waits for them (here, so that clipping sees the averaged gradients)
+        norm = harness.clip_gradients(model.parameters(), args.clip_grad)  # (--clip-grad; the norm for the logs)
+        step_lr = run.learning_rate(step) * world_size  # --lr-schedule, --warmup-steps; x world size, as --lr
+        harness.set_learning_rate(optimizer, step_lr)
+        with optimizer.skip_synchronize() if averaged else contextlib.nullcontext():
+            optimizer.step()
         global_loss = float(hvd.allreduce(loss.detach(), op=hvd.Average)) if world_size > 1 else float(loss.detach())
-        metrics.log_step(step, global_loss, global_batch, run.step_time(), lr)
+        metrics.log_step(step, global_loss, global_batch, run.step_time(), step_lr, grad_norm=norm)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
@@ -150,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
         spread = float((hvd.allreduce(flat, op=hvd.Max) - hvd.allreduce(flat, op=hvd.Min)).max())
     exit_code = run.finish(metrics, spread)
+    if args.export_hf and is_rank0 and exit_code == 0 and run.last_step == args.max_steps:  # (a finished run)
+        harness.export_trained_model(model, spec, args.export_hf, RECIPE)
     if world_size > 1:
         hvd.join()
     return exit_code
