@@ -24,8 +24,17 @@ class GPTConfig:
     tie_embeddings: bool = True  # the output layer reuses the token embedding, as in GPT-2
 
     @classmethod
+    def add_arguments(cls, parser) -> None:
+        """The GPT's own options (a recipe passes this to harness.parse_recipe_args); --vocab-size and
+        --seq-len are the data's."""
+        g = parser.add_argument_group("the stack's GPT (--model gpt, the default)")
+        g.add_argument("--n-layer", type=int, default=cls.n_layer, help="transformer blocks")
+        g.add_argument("--n-head", type=int, default=cls.n_head, help="attention heads (each n-embd / n-head wide)")
+        g.add_argument("--n-embd", type=int, default=cls.n_embd, help="the width of the residual stream")
+
+    @classmethod
     def from_args(cls, args) -> "GPTConfig":
-        """From the options of harness.add_data_options and add_gpt_options."""
+        """From the options of add_arguments and the data's (harness.add_data_options)."""
         return cls(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd)
 
 

@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged"}, other={
         "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state",
         "resume-data-from-start": "a resumed run reads the data from the first batch again"})
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True, lora=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True)
 
 
 def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec) -> None:

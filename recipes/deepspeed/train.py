@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged (no --pp)"}, other={
         "accum-sum": "the micro-batches' gradients summed instead of averaged (no --pp; needs --grad-accum > 1)",
         "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments)
 
 
 def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool, pp: int = 1) -> dict:

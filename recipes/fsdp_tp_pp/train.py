@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test-resume-without-optimizer", action="store_true",
                    help="TESTS ONLY, wrong on purpose: resume the weights but a fresh optimizer (the resume control)")
     harness.add_schedule_options(p)
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, user_models=True, lora=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True)
 
 
 def validate(args: argparse.Namespace, world_size: int, spec: harness.ModelSpec) -> parallelize.Layout:

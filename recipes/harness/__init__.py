@@ -27,7 +27,7 @@ from .checkpoint import (
     TRAINER_STATE,
 )
 from .cli import (
-    add_data_options, add_gpt_options, add_optimizer_option, add_run_options, add_schedule_options,
+    add_data_options, add_model_options, add_optimizer_option, add_run_options, add_schedule_options,
     add_test_break_option, ConfigError, schedule_identity,
     main_entry, new_parser,
     parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible,
@@ -47,7 +47,7 @@ from .run import clip_gradients, learning_rate, set_learning_rate, torch_optimiz
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
 __all__ = [
-    "add_data_options", "add_gpt_options", "add_optimizer_option", "add_run_options", "add_schedule_options",
+    "add_data_options", "add_model_options", "add_optimizer_option", "add_run_options", "add_schedule_options",
     "add_test_break_option", "clip_gradients", "learning_rate", "schedule_identity", "set_learning_rate",
     "all_hostnames", "atomic_write_bytes",
     "check_expected_world_size", "check_export_option", "check_model_vocabulary", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV", "default_master_port",

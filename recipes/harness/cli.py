@@ -3,7 +3,7 @@ starts, and the entry point that turns bad input into one line and exit code 2.
 
 A recipe adds its own options to its parser first (so ``--help`` opens with what that framework needs),
 then ``parse_recipe_args`` adds the shared groups (``add_run_options``: run directory, checkpoints,
-stopping, logging; ``add_data_options``; for the stack's GPT ``add_gpt_options``) and parses.
+stopping, logging; ``add_data_options``; ``add_model_options``: --model) and parses.
 ``validate_run`` checks those; the recipe checks its own.
 """
 
@@ -155,35 +155,34 @@ def add_data_options(p: argparse.ArgumentParser, user_datasets: bool = False) ->
                    help="global batches per evaluation: the validation data's first K, the same every time")
 
 
-def add_gpt_options(p: argparse.ArgumentParser, user_models: bool = False) -> None:
-    """The stack's GPT (recipes/gpt.py): DDP, accelerate, DeepSpeed and Horovod's PyTorch variant.
-    ``user_models``: --model also takes a Hugging Face model directory or the user's own (harness/model.py)."""
-    g = p.add_argument_group("model (recipes/gpt.py, or --model)")
-    if user_models:
-        g.add_argument("--model", default="gpt", metavar="gpt|hf:DIR|MODULE:FACTORY",
-                       help="gpt: the stack's GPT (the options below); hf:DIR: a Hugging Face causal LM saved in DIR "
-                            "(offline); MODULE:FACTORY: your own, FACTORY(args) -> a torch.nn.Module whose "
-                            "forward(inputs, targets) returns the loss (harness/model.py)")
-        g.add_argument("--export-hf", type=Path, default=None, metavar="DIR",
-                       help="with --model hf:...: at the end, the trained model as a Hugging Face directory "
-                            "(safetensors, config, the source's tokenizer files) that from_pretrained loads")
-        g.add_argument("--lora-rank", type=int, default=None, metavar="R",
-                       help="with --model hf:...: train LoRA adapters of rank R (peft) instead of the whole model "
-                            "(recipes/ddp and recipes/fsdp_tp_pp); --export-hf merges them into the weights")
-    g.add_argument("--n-layer", type=int, default=2)
-    g.add_argument("--n-head", type=int, default=4)
-    g.add_argument("--n-embd", type=int, default=64)
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """--model and what goes with it (harness/model.py): the stack's GPT, a Hugging Face model directory or the
+    user's own module. The GPT's own options (--n-layer, ...) are the GPT's: recipes/gpt.py adds them."""
+    g = p.add_argument_group("model (--model; the stack's GPT by default)")
+    g.add_argument("--model", default="gpt", metavar="gpt|hf:DIR|MODULE:FACTORY",
+                   help="gpt: the stack's GPT (its options below); hf:DIR: a Hugging Face causal LM saved in DIR "
+                        "(offline); MODULE:FACTORY: your own, FACTORY(args) -> a torch.nn.Module whose "
+                        "forward(inputs, targets) returns the loss (harness/model.py)")
+    g.add_argument("--export-hf", type=Path, default=None, metavar="DIR",
+                   help="with --model hf:...: at the end, the trained model as a Hugging Face directory "
+                        "(safetensors, config, the source's tokenizer files) that from_pretrained loads")
+    g.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="with --model hf:...: train LoRA adapters of rank R (peft) instead of the whole model "
+                        "(recipes/ddp and recipes/fsdp_tp_pp); --export-hf merges them into the weights")
 
 
-def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] | None, gpt_model: bool = False,
-                      collective_timeout: bool = True, user_models: bool = False, lora: bool = False) -> argparse.Namespace:
+def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] | None,
+                      model_options: Callable[[argparse.ArgumentParser], None] | None = None,
+                      collective_timeout: bool = True, lora: bool = False) -> argparse.Namespace:
     """The shared option groups after the recipe's own, then the command line (and --config) parsed.
-    ``gpt_model``: the options of recipes/gpt.py (``user_models``: and --model, --dataset, --export-hf,
-    --lora-rank, which the recipe takes if ``lora``); ``collective_timeout``: --timeout-s (PyTorch's groups)."""
+    ``model_options``: the stack's model adds its options (recipes/gpt.py: GPTConfig.add_arguments); with it
+    the recipe takes --model, --dataset, --export-hf and --lora-rank (which it refuses unless ``lora``).
+    ``collective_timeout``: --timeout-s (PyTorch's groups)."""
     add_run_options(p, recipe, collective_timeout)
-    add_data_options(p, user_models)
-    if gpt_model:
-        add_gpt_options(p, user_models)
+    add_data_options(p, user_datasets=model_options is not None)
+    if model_options is not None:
+        add_model_options(p)
+        model_options(p)
     args = parse_args_with_config(p, argv)
     from .data import check_data_option  # (data.py imports ConfigError from here)
 
@@ -234,7 +233,7 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
     require_at_least_one(args, "max_steps", "log_every", "seq_len", "vocab_size")
     if world_size is not None and world_size < 1:  # --preflight 0, or a launcher that says so
         raise ConfigError(f"the world size must be at least 1 rank, got {world_size}")
-    if hasattr(args, "n_embd"):  # add_gpt_options
+    if hasattr(args, "n_embd"):  # the stack's GPT (GPTConfig.add_arguments)
         require_at_least_one(args, "n_layer", "n_head", "n_embd")
         if args.n_embd % args.n_head:
             raise ConfigError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")

@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-grad-allreduce", action="store_true",
                    help="TESTS ONLY, wrong on purpose: the plain optimizer, no averaging (the negative control)")
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "Horovod sums the ranks' gradients instead of averaging them"})
-    return harness.parse_recipe_args(p, RECIPE, argv, gpt_model=True, collective_timeout=False, user_models=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, collective_timeout=False)
 
 
 def validate(args: argparse.Namespace, world_size: int, spec: harness.ModelSpec) -> None:
