@@ -11,8 +11,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.metrics import transformer_flops_per_token
-
 
 @dataclass
 class GPTConfig:
@@ -108,9 +106,10 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters()), self.flops_per_token()
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token, for MFU: 6N + 12*L*d*T (harness.transformer_flops_per_token)."""
+        """Training FLOPs per token, for MFU: 6N for the weight matmuls (forward and backward) plus 12*L*d*T for
+        attention (the PaLM paper's appendix B; the harness counts a Hugging Face model the same way)."""
         cfg = self.cfg
-        return transformer_flops_per_token(self.num_params_for_flops(), cfg.n_layer, cfg.n_embd, cfg.seq_len)
+        return 6.0 * self.num_params_for_flops() + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The small harness every recipe trains on: only what all of them need, split by concern.
 
+    errors      ConfigError (bad input) and stderr_line: the bottom layer, imported by every other module
     cli         the shared options (parse_recipe_args), TOML configs, the checks before any rank starts
                 (validate_run, require_*), main_entry (bad input: one line, exit 2)
     launch      rank layout (torchrun or srun), the expected world size, the PyTorch process group, the
@@ -28,11 +29,12 @@ from .checkpoint import (
 )
 from .cli import (
     add_data_options, add_model_options, add_optimizer_option, add_run_options, add_schedule_options,
-    add_test_break_option, ConfigError, schedule_identity,
+    add_test_break_option, schedule_identity,
     main_entry, new_parser,
     parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible,
-    require_positive, stderr_line, tensorboard_dir, validate_run,
+    require_positive, validate_run,
 )
+from .errors import ConfigError, stderr_line
 from .data import (numpy_batches, numpy_token_batch, step_batches, SyntheticTokens, tf_step_batches, TokenFileData,
                    training_data, validation_data)
 from .launch import (
@@ -40,7 +42,8 @@ from .launch import (
     EXPECTED_WORLD_SIZE_ENV, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
     mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed,
 )
-from .metrics import describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, transformer_flops_per_token
+from .metrics import (describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, tensorboard_dir,
+                      transformer_flops_per_token)
 from .model import (check_export_option, check_model_vocabulary, export_trained_model, model_size, model_spec,
                     ModelSpec)
 from .run import clip_gradients, learning_rate, set_learning_rate, torch_optimizer, TrainingRun, validation_loss

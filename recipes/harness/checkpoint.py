@@ -24,7 +24,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from .cli import ConfigError
+from .errors import ConfigError
 
 CHECKPOINT_PATTERN = re.compile(r"step_(\d{8})\.pt")
 CHECKPOINT_DIR_PATTERN = re.compile(r"step_(\d{8})")

@@ -17,17 +17,10 @@ import tomllib
 from pathlib import Path
 from typing import Callable
 
-
-class ConfigError(Exception):
-    """Bad input found before any process starts talking to another. Its message says what to change."""
-
-
-def stderr_line(text: str) -> None:
-    """``text`` and its newline in one write. Ranks often print the same message at the same moment into one
-    log, unbuffered (PYTHONUNBUFFERED=1): print() writes the text and the newline separately, and two ranks'
-    lines then run into each other ("...error: A[...] error: A\n\n")."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+from .data import check_data_option, user_dataset
+from .errors import ConfigError, stderr_line
+from .launch import check_gpus_visible, exit_on_collective_failure, failed_collective_rank
+from .metrics import check_tensorboard_writer, tensorboard_dir
 
 
 def exit_on_config_error(recipe: str, error: ConfigError) -> None:
@@ -39,8 +32,6 @@ def exit_on_config_error(recipe: str, error: ConfigError) -> None:
 def main_entry(recipe: str, main: Callable[[], int]) -> None:
     """Run ``main`` and exit with its code. Bad input (ConfigError) is one line and exit 2; a collective that
     failed because another rank died or hung is one line naming this rank and exit 4 (launch.py)."""
-    from .launch import exit_on_collective_failure, failed_collective_rank
-
     try:
         code = main()
     except ConfigError as error:
@@ -184,8 +175,6 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
         add_model_options(p)
         model_options(p)
     args = parse_args_with_config(p, argv)
-    from .data import check_data_option  # (data.py imports ConfigError from here)
-
     require_at_least_one(args, "seq_len", "vocab_size", "eval_batches")
     if getattr(args, "lora_rank", None) is not None and not lora:
         raise ConfigError(f"--lora-rank: recipes/ddp and recipes/fsdp_tp_pp fine-tune with LoRA; {recipe} does not "
@@ -196,8 +185,6 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
         raise ConfigError(f"--data-workers must be 0 (read in the training process) or more, or -1 (auto), got {args.data_workers}")
     # on every rank and in the preflight: before any rank starts
     if getattr(args, "dataset", None):
-        from .data import user_dataset
-
         for split in ("train", "validation") if args.eval_every > 0 else ("train",):
             user_dataset(args, split)
     else:
@@ -254,19 +241,9 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
         raise ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
     if tensorboard_dir(args) is not None and framework == "torch":
-        from .metrics import check_tensorboard_writer
-
         check_tensorboard_writer()
-    from .launch import check_gpus_visible
-
     # slurm/preflight.sh (job id 0) runs on a login node, which may have no GPU: there, the build only.
     check_gpus_visible(framework, build_only=args.preflight is not None and os.environ.get("SLURM_JOB_ID") == "0")
-
-
-def tensorboard_dir(args: argparse.Namespace) -> Path | None:
-    if args.tensorboard == "off":
-        return None
-    return Path(args.tensorboard) if args.tensorboard else Path(args.out_dir) / "tensorboard"
 
 
 def preflight_line(recipe: str, summary: str, resume_from: Path | None) -> int:

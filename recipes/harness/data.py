@@ -32,7 +32,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli import ConfigError
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     import numpy as np

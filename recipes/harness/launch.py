@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from .cli import ConfigError, stderr_line
+from .errors import ConfigError, stderr_line
 
 if TYPE_CHECKING:
     import torch

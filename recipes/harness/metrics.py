@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .checkpoint import atomic_write_bytes
-from .cli import ConfigError, tensorboard_dir
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,14 @@ GPU_PEAK_FLOPS = {
     "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
     "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
 }
+
+
+
+def tensorboard_dir(args: argparse.Namespace) -> Path | None:
+    """Where the event files go: --tensorboard DIR, OUT_DIR/tensorboard by default, None for 'off'."""
+    if args.tensorboard == "off":
+        return None
+    return Path(args.tensorboard) if args.tensorboard else Path(args.out_dir) / "tensorboard"
 
 
 def gpu_peak_flops(device_name: str, dtype_name: str) -> tuple[float, str]:

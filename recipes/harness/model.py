@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .cli import ConfigError
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 from . import faults
 from .checkpoint import checkpoint_due
-from .cli import stderr_line
+from .errors import stderr_line
 from .signals import STOP_MARKER, StopRequest
 
 

@@ -12,7 +12,7 @@ import signal
 from pathlib import Path
 
 from .checkpoint import atomic_write_bytes
-from .cli import stderr_line
+from .errors import stderr_line
 
 STOP_MARKER = "stopped_by_signal"
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
