@@ -50,9 +50,11 @@ IMPORT_CHECK = {
                "assert tf.keras.__name__.startswith(\"tf_keras\"), tf.keras.__name__",
 }
 FRAMEWORK_LABELS = {  # the framework labels each image must carry, besides python/mpi/mpi4py/cuda/nccl
-    "ddp": {"torch", "numpy"}, "megatron": {"torch", "numpy", "megatron-core"},
-    "deepspeed": {"torch", "numpy", "deepspeed"}, "accelerate": {"torch", "numpy", "accelerate"},
-    "horovod": {"tensorflow", "torch", "numpy", "horovod"},
+    # (the PyTorch family, and horovod's cpu flavor, built on it, carry accelerate from the pytorch image: peft,
+    # for --lora-rank, needs it)
+    "ddp": {"torch", "numpy", "accelerate"}, "megatron": {"torch", "numpy", "megatron-core", "accelerate"},
+    "deepspeed": {"torch", "numpy", "deepspeed", "accelerate"}, "accelerate": {"torch", "numpy", "accelerate"},
+    "horovod": {"tensorflow", "torch", "numpy", "horovod", "accelerate"},
 }
 LIBMPI_IN_MAPS = ("import mpi4py.MPI as MPI; "
                   "print([line.split()[-1] for line in open('/proc/self/maps') if 'libmpi.so.12' in line][0]); "

@@ -48,7 +48,8 @@ def parity_runs(tmp_path: Path, model: list[str], *control: str) -> tuple[dict, 
 
 @pytest.mark.parametrize("which", ["hugging-face", "own-module", "own-data"])
 def test_your_model_on_two_ddp_ranks_matches_one_process(tiny_llama, fields_file, tmp_path, which):
-    """own-data: a CNN on an HDF5 file of fields through --dataset, read ahead by 2 workers per rank in the
+    """The loss, the validation loss and the gradient norm (taken after DDP's all-reduce) of one process.
+    own-data: a CNN on an HDF5 file of fields through --dataset, read ahead by 2 workers per rank in the
     parallel run (the same batches as without: the rows of a step depend on the step only)."""
     arguments = model_args(which, tiny_llama, fields_file)
     model = arguments[1]
@@ -60,6 +61,8 @@ def test_your_model_on_two_ddp_ranks_matches_one_process(tiny_llama, fields_file
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     assert len(losses(metrics)) == 4 and max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
     assert len(eval_losses(metrics)) == 2 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
+    norms = [[record["grad_norm"] for record in run["history"]] for run in (metrics, reference)]  # (after the all-reduce)
+    assert max_relative_difference(*norms) <= LOSS_RTOL
     if which == "hugging-face":  # MFU from the model's config; the bigram says it has none
         assert metrics["summary"]["mean_mfu"] > 0 and "MFU" in result.stdout
     else:

@@ -9,7 +9,7 @@ maintained with PyTorch; Horovod's last release is from 2023). Launched like rec
     RECIPE=recipes/horovod/train_torch.py sbatch slurm/horovod.sh
 
     # your own module and data instead of the GPT (harness/model.py; a Hugging Face model needs transformers,
-    # which the TensorFlow/Horovod environment does not carry: use recipes/ddp for those)
+    # which the bare TensorFlow environment, .venv-tf, does not carry: recipes/ddp is the tested path for those)
     horovodrun --gloo -np 2 -H localhost:2 python recipes/horovod/train_torch.py --model path/to/mymodel.py:build
 
 Each rank trains on its --batch-per-rank rows of the step's global batch; hvd.DistributedOptimizer averages
