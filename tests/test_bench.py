@@ -67,12 +67,19 @@ def test_quick_benchmark_writes_json_figures_and_table(every_recipe, bench_image
 
     # A Hugging Face model through each recipe that takes one, against the bare loop on the same model
     hugging_face = bench["hugging_face"]
-    assert list(hugging_face["recipes"]) == [name for name in bench["recipes"] if name != "megatron_tp_pp"]
+    held = [name for name in bench["recipes"] if name != "megatron_tp_pp"]
+    assert list(hugging_face["recipes"]) == held + (["deepspeed_zero2"] if "deepspeed" in held else [])
     assert hugging_face["model"]["num_key_value_heads"] == 2
     for name, overhead in hugging_face["recipes"].items():
         pairs = [r / b for r, b in zip(overhead["recipe_samples_per_s"], overhead["bare_samples_per_s"])]
         assert overhead["ratios"] == pairs and overhead["ratio"] == statistics.median(pairs), name
-        assert overhead["meets_target"] == (overhead["ratio"] >= 0.97) and overhead["loss_max_rel_diff"] < 1e-6, name
+        assert overhead["loss_max_rel_diff"] < 1e-6, name
+        if name == "deepspeed_zero2":  # DeepSpeed's own cost on one process: reported, not held to the target
+            assert overhead["recipe_options"] == ["--zero-stage", "2"] and overhead["target"] is None and overhead["why"]
+        else:
+            assert overhead["meets_target"] == (overhead["ratio"] >= 0.97), name
+    if "deepspeed" in held:
+        assert hugging_face["recipes"]["deepspeed"]["recipe_options"] == ["--zero-stage", "0"]
         assert all(t == 4 / s for t, s in zip(overhead["bare_step_time_s"], overhead["bare_samples_per_s"])), name
 
     if every_recipe:
@@ -90,7 +97,8 @@ def test_quick_benchmark_writes_json_figures_and_table(every_recipe, bench_image
     assert f"| measure | {' | '.join(bench['recipes'])} | target |" in table
     overhead_row = next(line for line in table.splitlines() if line.startswith("| overhead: "))
     assert all(f"| {measured['overhead']['ratio']:.3f}" in overhead_row for measured in bench["recipes"].values()), table
-    assert all(f"| {name} | {overhead['ratio']:.3f}" in table for name, overhead in hugging_face["recipes"].items()), table
+    assert all(f"| {r['recipe']} | {' '.join(r['recipe_options']) or '–'} | {r['ratio']:.3f}" in table
+               for r in hugging_face["recipes"].values()), table
 
 
 def test_bench_builds_the_images_before_it_measures_them(ddp_image, tmp_path):
@@ -184,5 +192,5 @@ def test_the_committed_hugging_face_table_is_its_json():
     rendered = markdown({"meta": measured["meta"], "recipes": {}, "hugging_face": measured["hugging_face"]})
     table = rendered[rendered.index("A Hugging Face Llama"):]
     assert table in (REPO / "bench" / "RESULTS.md").read_text()
-    assert set(measured["hugging_face"]["recipes"]) == {"ddp", "accelerate", "deepspeed", "fsdp_tp_pp"}
+    assert set(measured["hugging_face"]["recipes"]) == {"ddp", "accelerate", "deepspeed", "fsdp_tp_pp", "deepspeed_zero2"}
     assert all(r["loss_max_rel_diff"] == 0.0 for r in measured["hugging_face"]["recipes"].values())
