@@ -92,6 +92,11 @@ def losses(metrics: dict) -> list[float]:
     return [record["loss"] for record in metrics["history"]]
 
 
+def grad_norms(metrics: dict) -> list[float]:
+    """The global gradient norm of every step (before clipping), as the recipes log it."""
+    return [record["grad_norm"] for record in metrics["history"]]
+
+
 # --eval-every 2 --eval-batches 2: the validation loss after every second step (and the last), averaged over
 # the data-parallel ranks; parity tests compare it with one process's as they compare the training loss.
 EVAL = ["--eval-every", "2", "--eval-batches", "2"]

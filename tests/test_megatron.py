@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EVAL, REPO, assert_ok, eval_losses, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
+from conftest import EVAL, REPO, assert_ok, eval_losses, grad_norms, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
 
 RECIPE = REPO / "recipes" / "megatron_tp_pp" / "train.py"
 SHIM_ALLOW_LIST = REPO / "tests" / "megatron_shim_sites.txt"
@@ -85,10 +85,6 @@ def checked_metrics(out_dir) -> dict:
                             f"check that each is placement only, then add it to {SHIM_ALLOW_LIST.name}")
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     return metrics
-
-
-def grad_norms(metrics: dict) -> list[float]:
-    return [record["grad_norm"] for record in metrics["history"]]
 
 
 def difference(metrics: dict, reference: dict) -> float:

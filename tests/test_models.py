@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (DDP_RECIPE, EVAL, REPO, assert_ok, eval_losses, losses, max_relative_difference, read_metrics,
+from conftest import (DDP_RECIPE, EVAL, REPO, assert_ok, eval_losses, grad_norms, losses, max_relative_difference, read_metrics,
                       recipe_env, run, run_recipe)
 
 sys.path.insert(0, str(REPO / "recipes"))
@@ -104,6 +104,8 @@ def test_a_hugging_face_model_on_zero3_matches_one_process_and_exports_whole(tin
     assert metrics["loaded_partitioned"] and not reference["loaded_partitioned"]
     assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
     assert max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
+    # The global gradient norm: ZeRO-3's over the ranks' shards against the one process's whole gradients
+    assert max_relative_difference(grad_norms(metrics), grad_norms(reference)) <= LOSS_RTOL
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         one, sharded, untrained = (AutoModelForCausalLM.from_pretrained(d, local_files_only=True)(input_ids=tokens).logits
@@ -118,7 +120,9 @@ def test_a_hugging_face_model_on_zero3_matches_one_process_and_exports_whole(tin
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", local_files_only=True)(input_ids=tokens).logits
     torch.testing.assert_close(again, sharded, rtol=0, atol=1e-6)
     summed = torchrun(tmp_path / "control", 2, "--zero-stage", "3", *args, "--test-break", "grad-sum")
-    assert max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)) > 100 * LOSS_RTOL, summed.stderr
+    control = read_metrics(tmp_path / "control")
+    assert max_relative_difference(losses(control), losses(reference)) > 100 * LOSS_RTOL, summed.stderr
+    assert max_relative_difference(grad_norms(control), grad_norms(reference)) > 100 * LOSS_RTOL
     piped = run([sys.executable, str(DEEPSPEED), "--out-dir", str(tmp_path / "pp"), *args, "--pp", "2", "--preflight", "2"],
                 env=recipe_env(), timeout=120)
     assert piped.returncode == 2 and "the pipeline splits the stack's GPT" in piped.stderr, piped.stderr

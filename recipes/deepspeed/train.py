@@ -355,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), global_batch, dp_rank, dp,
                                    device)  # (--data-workers: read ahead)
-    # DeepSpeed computes the global gradient norm for ZeRO 1-3, bf16 and clipping; at ZeRO-0 in fp32 without
-    # clipping the recipe takes it itself, so that every run logs grad_norm (and a parity test can compare it).
-    own_norm = pp == 1 and stage == 0 and ds_config["gradient_clipping"] == 0 and dtype == torch.float32
+    # DeepSpeed computes the global gradient norm for ZeRO 1-3 and bf16; at ZeRO-0 in fp32 (clipping or not) it
+    # keeps none, so the recipe takes it itself: every run logs grad_norm (and a parity test can compare it).
+    own_norm = pp == 1 and stage == 0 and dtype == torch.float32
     for step, (inputs, targets) in zip(run.steps(), batches):
         harness.set_learning_rate(engine.optimizer, run.learning_rate(step))  # --lr-schedule, --warmup-steps
         if pp > 1:  # the engine runs the micro-batches through the stages (its 1F1B schedule), then steps
@@ -385,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()  # the optimizer steps only at the accumulation boundary
             step_loss += loss.detach().float() / accum
         global_loss = harness.mean_across_ranks(step_loss, env.world_size)  # also synchronises the step for timing
-        norm = norm if own_norm else float(engine.get_global_grad_norm())
-        metrics.log_step(step, global_loss, global_batch, run.step_time(), engine.get_lr()[0], grad_norm=norm)
+        norm = norm if own_norm else engine.get_global_grad_norm()
+        metrics.log_step(step, global_loss, global_batch, run.step_time(), engine.get_lr()[0],
+                         grad_norm=None if norm is None else float(norm))
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
