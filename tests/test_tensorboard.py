@@ -75,6 +75,7 @@ def test_tensorboard_off_and_an_explicit_directory(tmp_path):
     assert len(event_files(tmp_path / "elsewhere")) == 1
 
 
+@pytest.mark.tensorflow
 def test_horovod_tensorflow_run_writes_events_through_tf_summary(tmp_path):
     assert (VENV_TF / ".installed").exists(), "no .venv-tf: run `make venv-tf` (make test does)"
     cmd = [str(VENV_TF / "bin" / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", "-p", str(free_port()),

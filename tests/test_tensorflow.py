@@ -25,6 +25,8 @@ import pytest
 
 from conftest import EVAL, REPO, eval_losses, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
 
+pytestmark = pytest.mark.tensorflow  # every test here runs in .venv-tf
+
 VENV_TF = REPO / ".venv-tf"
 TF_PYTHON = VENV_TF / "bin" / "python"
 HOROVOD_TF = REPO / "recipes" / "horovod" / "train.py"

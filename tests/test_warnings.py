@@ -78,7 +78,12 @@ def token_file(tmp_path_factory) -> Path:
     return prefix
 
 
-@pytest.mark.parametrize("recipe", RUNS)
+# The TensorFlow recipes run in .venv-tf (marked: make test-unit needs no container engine to build it).
+RECIPES = [pytest.param(recipe, marks=pytest.mark.tensorflow) if python == str(TF_PYTHON) else recipe
+           for recipe, (python, *_) in RUNS.items()]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_one_process_trains_evaluates_checkpoints_and_resumes_without_a_warning(recipe, token_file, tmp_path):
     """On a token file (--data), evaluated on its validation split after every step (--eval-every 1): every
     recipe trains on real text, says so in its metrics, and its eval loss falls below its first value; the
@@ -99,6 +104,6 @@ def test_one_process_trains_evaluates_checkpoints_and_resumes_without_a_warning(
     assert f"eval loss {evaluated[-1]:.4f}" in resumed.stdout and f"eval loss {evaluated[0]:.4f}" in first.stdout
 
 
-@pytest.mark.parametrize("recipe", RUNS)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_two_ranks_train_without_a_warning(recipe, tmp_path):
     assert warnings_in(start(recipe, 2, tmp_path, "--max-steps", "2", *RUNS[recipe][3])) == []

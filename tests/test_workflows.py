@@ -1,6 +1,6 @@
 """The project's own automation is checked like its code: the GitHub workflow is valid (its JSON schema),
 passes zizmor's security audit offline (pinned actions, no persisted credentials, no template injection),
-and every `make` target it or the README names exists (`make -n`, which runs nothing).
+and every `make` target it, the README or the docs name exists (`make -n`, which runs nothing).
 
 A workflow step calling a target that does not exist fails only after everything before it ran (the
 publish step once pushed ddp, then stopped at `make test-images-all`, which never existed).
@@ -42,11 +42,14 @@ def test_workflow_passes_zizmor_offline(workflow):
 
 
 def make_invocations() -> list[str]:
-    """Every `make ...` command line in the workflows' run steps and the README's shell blocks, with the
+    """Every `make ...` command line in the workflows' run steps and the shell blocks and code of the README and
+    the docs' pages, with the
     loop variable of `for image in ...; do make "push-$image"` expanded and placeholders dropped."""
     texts = [w.read_text() for w in WORKFLOWS]
-    readme = (REPO / "README.md").read_text()
-    texts += re.findall(r"```bash\n(.*?)```", readme, re.S)
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:  # the README and the docs' pages
+        text = page.read_text()
+        texts += re.findall(r"```bash\n(.*?)```", text, re.S)
+        texts += re.findall(r"`(make [^`]+)`", text)  # `make docs` in a sentence
     found = set()
     for text in texts:
         for match in re.finditer(r"(?:^|[;&|]\s*|\bdo\s+)make\s+([^#;&|\n]*)", text, re.M):
@@ -54,7 +57,10 @@ def make_invocations() -> list[str]:
             words = [w for w in words if "<" not in w and "..." not in w and not w.startswith("$(")]
             if not words:
                 continue
-            line = " ".join(words).replace("$image", "ddp")
+            words = [w for w in words if not w.startswith("-")]  # `make -n`: an option, not a target
+            if not words:
+                continue
+            line = re.sub(r"-IMAGE\b", "-ddp", " ".join(words).replace("$image", "ddp"))  # pull-IMAGE: any image
             found.update(part.strip() for part in line.split(" / "))  # "make a / b": the README's alternatives
     return sorted(found)
 
