@@ -9,7 +9,8 @@ workers reading ahead, against the training throughput the loader must feed, mea
 "Cold" evicts PREFIX.bin from the page cache with posix_fadvise(DONTNEED) (no root needed), so the reads go
 to the file system: a local disk here, Lustre ($SCRATCH) on Perlmutter, where the first epoch reads cold.
 Each figure is the median of --repeats passes over --batches steps after the first (the workers' start-up;
-samples in the recipes' shuffled order: random reads of seq_len + 1 tokens). The training figure is the DDP recipe on one process on the same data
+samples in the recipes' shuffled order: random reads of seq_len + 1 tokens). The training figure is the DDP recipe on one process
+on the same data
 and sequence length; ratio = loader tokens/s / training tokens/s (how many such trainers one reader keeps
 fed). Writes OUT/data_loader.json.
 """

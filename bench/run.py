@@ -241,7 +241,8 @@ def bench_recipe(subject: Subject, work: Path, quick: bool, repeats: int, steps:
     print(f"bench: {subject.recipe}: overhead (recipe vs bare loop) ...", flush=True)
     result = {"model_args": model_args, "overhead": bench_overhead(subject, work, model_args, batch, steps, repeats)}
     recipe_runs = result["overhead"].pop("_recipe")
-    result["mfu"] = {"mfu": statistics.median(r["mfu"] for r in recipe_runs), "peak_flops_per_device": recipe_runs[0]["peak_flops_per_device"],
+    result["mfu"] = {"mfu": statistics.median(r["mfu"] for r in recipe_runs),
+                     "peak_flops_per_device": recipe_runs[0]["peak_flops_per_device"],
                      "peak_source": recipe_runs[0]["peak_source"], "formula": "tokens/s * (6N + 12*L*d*T) / peak"}
     print(f"bench: {subject.recipe}: weak scaling 1 -> 2 ranks ...", flush=True)
     result["scaling"] = bench_scaling(subject, work, model_args, batch, steps, repeats)
@@ -294,7 +295,8 @@ def bench_hugging_face(names: list[str], work: Path, quick: bool, repeats: int, 
         subject = dataclasses.replace(SUBJECTS[recipe], extra=options)
         overhead = bench_overhead(subject, work, model_args, batch, steps, repeats, label=f"hf-{key}")
         overhead.pop("_recipe")
-        overhead.update(recipe=recipe, recipe_options=list(options), bare_step_time_s=[batch / value for value in overhead["bare_samples_per_s"]])
+        overhead.update(recipe=recipe, recipe_options=list(options),
+                        bare_step_time_s=[batch / value for value in overhead["bare_samples_per_s"]])
         if why:  # a framework's own cost: reported, not held to the recipe's target
             overhead.update(target=None, meets_target=None, why=why)
         result["recipes"][key] = overhead

@@ -441,7 +441,8 @@ LlamaForCausalLM(config).save_pretrained({str(directory)!r})
 def fields_file(tmp_path_factory) -> Path:
     """recipes/examples/fields.py's HDF5 file of 2D fields and their next heat-equation step (h5py)."""
     path = tmp_path_factory.mktemp("fields") / "fields.h5"
-    made = run([sys.executable, str(REPO / "recipes" / "examples" / "fields.py"), "--out", str(path), "--train", "128", "--validation", "32", "--size", "16"],
+    made = run([sys.executable, str(REPO / "recipes" / "examples" / "fields.py"), "--out", str(path), "--train", "128",
+                "--validation", "32", "--size", "16"],
                env=recipe_env(), timeout=120)
     assert made.returncode == 0 and path.is_file(), made.stderr
     return path

@@ -60,7 +60,8 @@ def test_quick_benchmark_writes_json_figures_and_table(every_recipe, bench_image
             assert pipeline["ratio_to_bare"] > 0 and pipeline["loss_max_rel_diff_to_bare"] < 1e-5
         if every_recipe:
             container = measured["container"]
-            assert container["throughput_ratios"] == [p / b for p, b in zip(container["samples_per_s_podman"], container["samples_per_s_bare"])]
+            assert container["throughput_ratios"] == [p / b for p, b in
+                                                      zip(container["samples_per_s_podman"], container["samples_per_s_bare"])]
             assert container["startup_ratios"] == [p / b for p, b in zip(container["startup_s_podman"], container["startup_s_bare"])]
             assert container["loss_max_rel_diff"] < 1e-6, name
         assert 0 < measured["mfu"]["mfu"] < 1 and measured["mfu"]["peak_source"].startswith("measured"), name

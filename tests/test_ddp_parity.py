@@ -4,7 +4,8 @@ Reference: 1 plain process (no process group, no DDP wrapper) on the global batc
 Parallel: 2 gloo ranks under torchrun, each on 4 rows of the same global batch.
 Tolerance: relative difference of the per-step loss <= 1e-5 (float32 reductions in another order), over
 6 steps, and of the validation loss after steps 2, 4 and 6 (--eval-every: each rank evaluates its rows of
-the validation batches, averaged over the ranks); parameters bitwise identical across ranks (checked inside the run) and within 1e-5 of the reference.
+the validation batches, averaged over the ranks); parameters bitwise identical across ranks (checked inside the run) and within 1e-5
+of the reference.
 Optimizer: plain SGD (lr 1.0), which a gradient of the wrong scale cannot pass (Adam, nearly invariant to a
 uniform scale of the gradients, would hide a sum-instead-of-mean all-reduce); and AdamW, the default.
 Negative controls, each caught by the same comparison with a margin of at least 100x the tolerance: the

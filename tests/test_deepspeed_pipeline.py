@@ -18,7 +18,8 @@ import sys
 
 import pytest
 
-from conftest import EVAL, REPO, assert_ok, assert_preflight_refuses, eval_losses, losses, max_relative_difference, read_metrics, recipe_env, run, run_recipe
+from conftest import (EVAL, REPO, assert_ok, assert_preflight_refuses, eval_losses, losses, max_relative_difference, read_metrics,
+                      recipe_env, run, run_recipe)
 
 RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 MODEL = ["--seq-len", "32", "--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--global-batch", "8"]

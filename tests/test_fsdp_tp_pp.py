@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import EVAL, REPO, assert_ok, assert_preflight_refuses, eval_losses, grad_norms, losses, max_relative_difference, read_metrics, run_recipe
+from conftest import (EVAL, REPO, assert_ok, assert_preflight_refuses, eval_losses, grad_norms, losses, max_relative_difference,
+                      read_metrics, run_recipe)
 
 RECIPE = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
 MODEL = ["--seq-len", "32", "--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--global-batch", "8"]

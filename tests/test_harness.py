@@ -193,7 +193,8 @@ def test_only_a_collective_that_lost_its_peer_is_named_a_collective_failure():
 
     bug = RuntimeError("expected scalar type BFloat16 but found Float")
     lost_peer = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:41234: Connection reset by peer")
-    timed_out = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete")
+    timed_out = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation "
+                             "to complete")
     assert failed_collective_rank(lost_peer) is None  # no process group yet: nothing to blame on another rank
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -505,7 +505,8 @@ def test_requeues_stop_at_the_limit_and_a_bad_limit_is_refused(tmp_path):
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n')
     scontrol.chmod(0o755)
     def requeue(restarts: str, limit: str):
-        script = f'source "{REPO}/slurm/lib/launch.sh"; SLURM_JOB_ID=42 SLURM_RESTART_COUNT={restarts} LAUNCH_MAX_REQUEUES={limit} requeue_job'
+        script = (f'source "{REPO}/slurm/lib/launch.sh"; '
+                  f"SLURM_JOB_ID=42 SLURM_RESTART_COUNT={restarts} LAUNCH_MAX_REQUEUES={limit} requeue_job")
         return run(["bash", "-c", script], env=recipe_env(PATH=f"{tmp_path}:/usr/bin:/bin"), timeout=30)
     below = requeue("2", "3")
     assert below.returncode == 0 and "requeueing job 42 (restart 3)" in below.stdout

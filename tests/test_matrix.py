@@ -106,7 +106,8 @@ def load_cells() -> list[dict]:
 
 
 def cell_id(cell: dict) -> str:
-    return (f"{cell['image']}-{cell['recipe']}-{cell['runtime']}{'-rootless' if cell['runtime'] == 'podman' and cell['user'] == 'normal' else ''}"
+    rootless = "-rootless" if cell["runtime"] == "podman" and cell["user"] == "normal" else ""
+    return (f"{cell['image']}-{cell['recipe']}-{cell['runtime']}{rootless}"
             f"-{cell['nodes']}x{cell['tasks_per_node']}-"
             + ("" if cell["runtime"] == "none" or cell["image_from"] == "env" else f"image_{cell['image_from']}-")
             + f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else "")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EVAL, REPO, assert_ok, eval_losses, grad_norms, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
+from conftest import (EVAL, REPO, assert_ok, eval_losses, free_port, grad_norms, losses, max_relative_difference, read_metrics,
+                      recipe_env, run)
 
 RECIPE = REPO / "recipes" / "megatron_tp_pp" / "train.py"
 SHIM_ALLOW_LIST = REPO / "tests" / "megatron_shim_sites.txt"

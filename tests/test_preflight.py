@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, base_image, container_env, ddp_image, pipe_image_to_user,  # noqa: F401
-                      recipe_env, run, shifter_pull)
+from conftest import REPO, container_env, pipe_image_to_user, recipe_env, run, shifter_pull
 
 PREFLIGHT = REPO / "slurm" / "preflight.sh"
 

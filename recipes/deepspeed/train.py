@@ -201,7 +201,8 @@ def validate(args: argparse.Namespace, world_size: int, on_gpu: bool) -> tuple[d
     if args.test_last_microbatch_loss and (pp == 1 or accum == 1):
         raise harness.ConfigError("--test-last-microbatch-loss needs --pp 2 or more and --grad-accum 2 or more")
     if args.test_break in ("grad-sum", "accum-sum") and (pp > 1 or (args.test_break == "accum-sum" and accum == 1)):
-        raise harness.ConfigError(f"--test-break {args.test_break} needs no --pp{' and --grad-accum 2 or more' if args.test_break == 'accum-sum' else ''}")
+        accum_note = " and --grad-accum 2 or more" if args.test_break == "accum-sum" else ""
+        raise harness.ConfigError(f"--test-break {args.test_break} needs no --pp{accum_note}")
     return ds_config, pp
 
 
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             if is_rank0:
                 harness.export_trained_model(engine.module, spec, args.export_hf, RECIPE)
     engine.destroy()  # the engine holds the process group: drop it before leaving the group
-    del engine
+    engine = None  # (the closures above share this variable: the last reference goes with it)
     harness.leave_process_group()
     return exit_code
 

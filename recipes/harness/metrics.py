@@ -241,7 +241,8 @@ def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, history
     events = tensorboard_dir(args)
     return MetricsLogger(
         recipe=recipe, path=Path(args.out_dir) / "metrics.json", is_logging_rank=logging_rank,
-        tokens_per_sample=None if getattr(args, "dataset", None) else args.seq_len, flops_per_token=flops_per_token, peak_flops_per_device=peak_flops_per_device,
+        tokens_per_sample=None if getattr(args, "dataset", None) else args.seq_len, flops_per_token=flops_per_token,
+        peak_flops_per_device=peak_flops_per_device,
         peak_source=peak_source, world_size=devices, log_every=args.log_every, history=history,
         run_info={**run_info, "n_params": n_params, "config": vars(args),
                   "resumed_from_step": history[-1]["step"] if history else None,

@@ -80,7 +80,8 @@ class TrainingRun:
                differ: str = "parameters differ across ranks") -> int:
         """Record the end of the run and return its exit code: 3 when the copies of the model that should be
         identical are not (``spread``, None where they are shards by design), otherwise 0, also after a stop
-        signal (then with OUT_DIR/stopped_by_signal, so that the launcher requeues the job). ``differ`` names the copies in the error line."""
+        signal (then with OUT_DIR/stopped_by_signal, so that the launcher requeues the job). ``differ`` names the copies in the
+        error line."""
         signame = signal.Signals(self.stopped_by).name if self.stopped_by else None
         metrics.write({"param_max_abs_diff_across_ranks": spread, "last_step": self.last_step,
                        "stopped_early": self.last_step < self.args.max_steps, "stopped_by_signal": signame,

@@ -58,7 +58,8 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
     if args.hidden_size % args.num_heads:
         raise harness.ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --num-heads {args.num_heads}")
     if args.vocab_size % tp:
-        raise harness.ConfigError(f"--vocab-size {args.vocab_size} is not divisible by --tp {tp}: the embedding is split by vocabulary rows")
+        raise harness.ConfigError(f"--vocab-size {args.vocab_size} is not divisible by --tp {tp}: "
+                                  "the embedding is split by vocabulary rows")
     if args.vp is not None:
         if args.vp < 2 or pp < 2:
             raise harness.ConfigError(f"--vp {args.vp} needs --vp >= 2 and --pp >= 2 (leave --vp out for the plain schedule)")
