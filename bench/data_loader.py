@@ -9,10 +9,10 @@ workers reading ahead, against the training throughput the loader must feed, mea
 "Cold" evicts PREFIX.bin from the page cache with posix_fadvise(DONTNEED) (no root needed), so the reads go
 to the file system: a local disk here, Lustre ($SCRATCH) on Perlmutter, where the first epoch reads cold.
 Each figure is the median of --repeats passes over --batches steps after the first (the workers' start-up;
-samples in the recipes' shuffled order: random reads of seq_len + 1 tokens). The training figure is the DDP recipe on one process
-on the same data
-and sequence length; ratio = loader tokens/s / training tokens/s (how many such trainers one reader keeps
-fed). Writes OUT/data_loader.json.
+samples in the recipes' shuffled order: random reads of seq_len + 1 tokens). The training figure is the DDP
+recipe on one process on the same data and sequence length; ratio = loader tokens/s / training tokens/s (how
+many such trainers one reader keeps fed). Writes OUT/data_loader.json and its table, OUT/data_loader.md (the
+docs include bench/data_loader.md, the last full run's).
 """
 
 from __future__ import annotations
@@ -93,6 +93,22 @@ def training_tokens_per_s(prefix: Path, args: argparse.Namespace, out: Path) -> 
     return statistics.median(record["tokens_per_s"] for record in history[2:])
 
 
+ROWS = {"cold": "cold (evicted first; the local disk)", "page_cache": "page cache, in the training process",
+        "page_cache_workers": "page cache, {workers} DataLoader workers (read-ahead)"}
+
+
+def markdown(result: dict) -> str:
+    """The table of a result, as the docs show it (docs/real-data.md includes bench/data_loader.md)."""
+    meta, loader, training = result["meta"], result["loader"], result["training_tokens_per_s"]
+    lines = ["| read | tokens/s | × the training it feeds |", "|---|---|---|"]
+    lines += [f"| {ROWS[name].format(workers=figure['workers'])} | {figure['tokens_per_s']:,.0f} | {figure['ratio_to_training']:,.0f} |"
+              for name, figure in loader.items()]
+    lines.append(f"| training: the DDP recipe, 1 CPU rank, same data and sequence length | {training:,.0f} | 1 |")
+    lines += ["", f"Measured {meta['date'][:10]} ({meta['mode']} run: {meta['tokens'] / 1e6:.1f} M tokens, batches of "
+              f"{meta['batch']} × {meta['seq_len']} tokens, {meta['repeats']} passes of {meta['batches']} batches each, medians)."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -121,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
               "loader": figures, "training_tokens_per_s": training}
     (args.out / "data_loader.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "data_loader.md").write_text(markdown(result))
     print(f"[bench-data] loader/training: cold {figures['cold']['ratio_to_training']:.0f}x, page cache "
           f"{figures['page_cache']['ratio_to_training']:.0f}x; {args.out / 'data_loader.json'}", flush=True)
     return 0

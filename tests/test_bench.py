@@ -181,6 +181,8 @@ def test_data_loader_benchmark_measures_cold_cached_and_read_ahead_against_train
         assert figure["ratio_to_training"] == pytest.approx(figure["tokens_per_s"] / training)
     assert "loader/training: cold" in result.stdout
     assert loader["cold"]["resident_bytes_after_evict"] == [0]  # (fincore) nothing of PREFIX.bin left in the page cache
+    table = (tmp_path / "data_loader.md").read_text()  # the table the docs include (bench/data_loader.md, a full run's)
+    assert f"| {training:,.0f} | 1 |" in table and f"| {loader['cold']['tokens_per_s']:,.0f} |" in table
 
 
 def test_the_committed_hugging_face_table_is_its_json():

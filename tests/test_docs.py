@@ -5,7 +5,8 @@
 - "what has run where" is docs/validated.toml, rendered into docs/validated.md by docs/hooks.py: every row
   of the file is on the built page, and no other page says what has or has not run (the scan is shown to
   catch such a sentence);
-- the benchmark tables on the site are bench/RESULTS.md as bench/run.py wrote it (included, not copied);
+- the benchmark tables on the site are bench/RESULTS.md and bench/data_loader.md as the benchmarks wrote them
+  (included, not copied);
 - every repository path the README and the pages name exists (`make` targets: tests/test_workflows.py);
 - the README stays short (≤ 250 lines), and every page is in the site's navigation.
 """
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import subprocess
@@ -101,6 +103,22 @@ def test_the_benchmark_tables_are_the_results_file_included(site):
     for row in (line for line in results.splitlines() if line.startswith("| ") and "---" not in line):
         first_cell = row.split("|")[1].strip().replace("`", "")
         assert first_cell in shown, first_cell
+
+
+def test_the_data_loader_table_is_its_results_file_included(site):
+    """docs/real-data.md includes bench/data_loader.md, which is bench/data_loader.py's rendering of the committed
+    bench/data_loader.json (a figure edited by hand, or a JSON replaced without its table, fails here)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from data_loader import markdown
+
+    result = json.loads((REPO / "bench" / "data_loader.json").read_text())
+    assert result["meta"]["mode"] == "full"
+    assert markdown(result) == (REPO / "bench" / "data_loader.md").read_text()
+    assert "<!-- include bench/data_loader.md -->" in (DOCS / "real-data.md").read_text()
+    shown = page_text(site, "real-data")
+    assert f"{result['training_tokens_per_s']:,.0f}" in shown and f"{result['loader']['cold']['tokens_per_s']:,.0f}" in shown
 
 
 def paths_named(text: str) -> set[str]:
