@@ -39,6 +39,7 @@ TORCH_STEPS = ["--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd",
 # the Keras model 220x at 20 vs 40, the GPT 800x at 1 vs 2); per rank, Horovod uses lr x ranks.
 KERAS_SGD_LR, GPT_SGD_LR = 10.0, 0.5
 LOSS_RTOL = 1e-5
+CLIP = "0.053"  # a gradient norm that clips some steps of the Keras model at SGD_KERAS (test_..._schedule_...)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -127,8 +128,9 @@ def test_horovod_negative_controls_are_caught(keras_reference, tmp_path, launche
         assert metrics["model_wrapper"] == "DistributedGradientTape" and metrics["param_max_abs_diff_across_ranks"] == 0
 
 
-# Adam (its moments are what a resume must restore) at a learning rate where losing them shows by far.
-RESUME = [*STEPS, "--lr", "0.01", "--max-steps", "6"]
+# Adam (its moments are what a resume must restore) at a learning rate where losing them shows by far, with a
+# warmup and a cosine schedule, which the resumed run must continue where it stopped.
+RESUME = [*STEPS, "--lr", "0.01", "--max-steps", "6", "--warmup-steps", "2", "--lr-schedule", "cosine"]
 
 
 @pytest.mark.parametrize("defect", [None, "resume-fresh-optimizer"])
@@ -248,6 +250,34 @@ def test_mirrored_resume_continues_the_same_curve(tmp_path, defect):
         assert resumed == straight
     else:
         assert resumed[:2] == straight[:2] and max_relative_difference(resumed[2:], straight[2:]) > 100 * LOSS_RTOL
+
+
+# ---- the learning-rate schedule and clipping on the TensorFlow recipes
+
+SCHEDULE = ["--warmup-steps", "2", "--lr-schedule", "cosine", "--clip-grad", "CLIP"]
+
+
+@pytest.mark.parametrize("recipe", ["horovod", "tf_mirrored"])
+def test_the_tensorflow_recipes_follow_the_schedule_and_clip_as_one_process(tmp_path, recipe):
+    """Warmup, a cosine schedule and clipping (the Keras model's gradient norms here: 0.050 to 0.059, clipped at
+    0.053) on 2 Horovod ranks and on 2 MirroredStrategy replicas: the losses, learning rates and gradient norms
+    of one process. The norm is the one of the averaged (Horovod) or all-reduced (MirroredStrategy) gradients."""
+    schedule = [CLIP if arg == "CLIP" else arg for arg in SCHEDULE]
+    if recipe == "horovod":
+        reference = horovod_reference(tmp_path, HOROVOD_TF, 2, 8, KERAS_SGD_LR, [*SGD_KERAS, *schedule])
+        ok(horovodrun(HOROVOD_TF, tmp_path / "two", 2, *SGD_KERAS, *schedule, "--batch-per-rank", "8", "--lr", str(KERAS_SGD_LR)))
+    else:
+        ok(single(MIRRORED, tmp_path / "one", *MIRRORED_SGD, *schedule, "--devices", "1"))
+        ok(single(MIRRORED, tmp_path / "two", *MIRRORED_SGD, *schedule, "--devices", "2"))
+        reference = read_metrics(tmp_path / "one")
+    metrics = read_metrics(tmp_path / "two")
+    assert metrics["world_size" if recipe == "horovod" else "replicas"] == 2
+    assert_same_training(metrics, reference)
+    rates = [[record["lr"] for record in run["history"]] for run in (metrics, reference)]
+    norms = [[record["grad_norm"] for record in run["history"]] for run in (metrics, reference)]
+    # (Horovod: --lr per rank x 2 ranks against 2 x --lr on one process: equal up to rounding)
+    assert rates[0] == pytest.approx(rates[1], rel=1e-12) and rates[0][:2] == [KERAS_SGD_LR, 2 * KERAS_SGD_LR]
+    assert max_relative_difference(*norms) <= LOSS_RTOL and sum(norm > float(CLIP) for norm in norms[1]) >= 2
 
 
 # ---- Horovod + PyTorch (horovod.torch)

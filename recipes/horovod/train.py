@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_test_break_option(p, needs_ranks={"grad-sum": "Horovod sums the ranks' gradients instead of averaging them"},
                                   other={"resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     keras_model.add_model_options(p)
+    harness.add_schedule_options(p)  # --lr-schedule, --warmup-steps, --clip-grad (of the averaged gradients)
     return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False)
 
 
@@ -67,7 +68,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 def must_match_to_resume(args: argparse.Namespace, world_size: int) -> dict:
     """What a checkpoint must have been written with for this run to continue it."""
     model = {"vocab_size": args.vocab_size, "seq_len": args.seq_len, "d_model": args.d_model, "d_hidden": args.d_hidden}
-    return {"model": model, "global_batch": args.batch_per_rank * world_size, "optimizer_name": args.optimizer}
+    return {"model": model, "global_batch": args.batch_per_rank * world_size, "optimizer_name": args.optimizer,
+            **harness.schedule_identity(args)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         if averaged:  # gradients averaged over all ranks (grad-sum: summed)
             tape = hvd.DistributedGradientTape(tape, op=hvd.Sum if args.test_break == "grad-sum" else hvd.Average)
         grads = tape.gradient(loss, model.trainable_variables)
+        norm = tf.linalg.global_norm(grads)  # of the averaged gradients: the same on every rank
+        if args.clip_grad > 0:
+            grads, _ = tf.clip_by_global_norm(grads, args.clip_grad, use_norm=norm)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return hvd.allreduce(loss, op=hvd.Average) if world_size > 1 else loss
+        return (hvd.allreduce(loss, op=hvd.Average) if world_size > 1 else loss), norm
 
     global_batch = args.batch_per_rank * world_size
 
@@ -191,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     batches = harness.tf_step_batches(args, range(start_step + 1, args.max_steps + 1), global_batch)
     for step, (inputs, targets) in zip(run.steps(), batches):
         rows = slice(rank * args.batch_per_rank, (rank + 1) * args.batch_per_rank)
-        loss = float(train_step(inputs[rows], targets[rows]))  # float(): waits for the step, for the timing
-        metrics.log_step(step, loss, global_batch, run.step_time(), lr)
+        lr = run.learning_rate(step) * world_size  # --lr-schedule, --warmup-steps; Horovod's --lr x ranks
+        optimizer.learning_rate = lr
+        loss, norm = train_step(inputs[rows], targets[rows])
+        metrics.log_step(step, float(loss), global_batch, run.step_time(), lr, grad_norm=float(norm))  # (float: waits)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if args.check_sync_every and step % args.check_sync_every == 0:

@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "grad-sum": "each replica's loss averaged over its own rows, not the global batch: the gradients are summed",
         "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     keras_model.add_model_options(p)
+    harness.add_schedule_options(p)  # --lr-schedule, --warmup-steps, --clip-grad (of the all-reduced gradients)
     return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False)
 
 
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = keras_model.optimizer(args.optimizer, args.lr)
         optimizer.build(model.trainable_variables)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    must_match = {"model": asdict(cfg), "global_batch": args.global_batch, "optimizer_name": args.optimizer}
+    must_match = {"model": asdict(cfg), "global_batch": args.global_batch, "optimizer_name": args.optimizer,
+                  **harness.schedule_identity(args)}
     latest, meta = harness.resume_dir(args, must_match, state_file="meta.json")
     start_step, history = 0, []
     if latest is not None:
@@ -149,15 +151,21 @@ def main(argv: list[str] | None = None) -> int:
             # grad-sum (TESTS ONLY): the replica's own mean, the classic mistake; the replicas' sum is then N x.
             trained = tf.reduce_mean(per_row) if args.test_break == "grad-sum" else loss
         grads = tape.gradient(trained, model.trainable_variables)
-        # apply_gradients sums the replicas' gradients (the all-reduce) before it updates the weights.
-        optimizer.apply_gradients(zip(grads, model.trainable_variables),
-                                  skip_gradients_aggregation=args.skip_grad_allreduce)
-        return loss
+        # The all-reduce, here rather than inside apply_gradients, so that the norm (and --clip-grad) is the one
+        # of the summed gradients, the same on every replica. (--skip-grad-allreduce: each replica its own.)
+        if not args.skip_grad_allreduce:
+            grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        norm = tf.linalg.global_norm(grads)
+        if args.clip_grad > 0:
+            grads, _ = tf.clip_by_global_norm(grads, args.clip_grad, use_norm=norm)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables), skip_gradients_aggregation=True)
+        return loss, norm
 
     @tf.function
     def train_step(step_inputs, step_targets):
-        losses = strategy.run(replica_step, args=(step_inputs, step_targets))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+        losses, norms = strategy.run(replica_step, args=(step_inputs, step_targets))
+        return (strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None),
+                strategy.reduce(tf.distribute.ReduceOp.MEAN, norms, axis=None))
 
     @tf.function
     def eval_step(step_inputs, step_targets):
@@ -200,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     # --data: synthetic or a token file, read one step ahead (tf.data)
     batches = harness.tf_step_batches(args, range(start_step + 1, args.max_steps + 1), args.global_batch)
     for step, (inputs, targets) in zip(run.steps(), batches):
-        loss = float(train_step(*replica_rows(inputs, targets)))  # float(): waits for the step, for the timing
-        metrics.log_step(step, loss, args.global_batch, run.step_time(), args.lr)
+        lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
+        optimizer.learning_rate = lr
+        loss, norm = train_step(*replica_rows(inputs, targets))
+        metrics.log_step(step, float(loss), args.global_batch, run.step_time(), lr, grad_norm=float(norm))  # (float: waits)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
