@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (DDP_RECIPE, EVAL, REPO, assert_ok, eval_losses, losses, max_relative_difference, read_metrics,
+from conftest import (DDP_RECIPE, EVAL, REPO, assert_ok, eval_losses, grad_norms, losses, max_relative_difference, read_metrics,
                       recipe_env, run, run_recipe)
 from test_models import model_args
 from test_warnings import warnings_in
@@ -40,10 +40,6 @@ LAYOUTS = {  # name: (ranks, options, wrapper reported from inside)
     "fsdp2": (2, ["--tp", "1", "--dp-shard", "2"], "FSDP2"),
     "fsdp2xtp": (4, ["--tp", "2", "--dp-shard", "2"], "FSDP2+TP"),
 }
-
-
-def grad_norms(metrics: dict) -> list[float]:
-    return [record["grad_norm"] for record in metrics["history"]]
 
 
 def logits(directory: Path) -> torch.Tensor:
@@ -188,11 +184,15 @@ def test_the_learning_rate_schedule():
     assert all(a > b for a, b in zip(rates[1:], rates[2:]))
 
 
-SCHEDULED = ["--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--global-batch", "8",
-             "--max-steps", "6", "--checkpoint-every", "3", "--optimizer", "sgd", "--lr", "2",
-             "--lr-schedule", "cosine", "--warmup-steps", "2", "--clip-grad", "0.35"]
-SCHEDULE_RECIPES = {"ddp": DDP_RECIPE, "fsdp_tp_pp": FSDP_RECIPE, "deepspeed": DEEPSPEED_RECIPE,
-                    "accelerate": REPO / "recipes" / "accelerate" / "train.py"}
+SCHEDULED = ["--seq-len", "32", "--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "3", "--optimizer",
+             "sgd", "--lr", "2", "--lr-schedule", "cosine", "--warmup-steps", "2", "--clip-grad", "0.35"]
+GPT = ("--n-layer", "2", "--n-head", "2", "--n-embd", "32")
+SCHEDULE_RECIPES = {  # recipe -> its path and the options for the same small GPT (Megatron: megatron-core's own)
+    "ddp": (DDP_RECIPE, GPT), "fsdp_tp_pp": (FSDP_RECIPE, (*GPT, "--tp", "1")), "deepspeed": (DEEPSPEED_RECIPE, GPT),
+    "accelerate": (REPO / "recipes" / "accelerate" / "train.py", GPT),
+    "megatron_tp_pp": (REPO / "recipes" / "megatron_tp_pp" / "train.py",
+                       ("--num-layers", "2", "--num-heads", "2", "--hidden-size", "32", "--micro-batch", "8")),
+}
 
 
 @pytest.mark.parametrize("recipe", SCHEDULE_RECIPES)
@@ -201,8 +201,7 @@ def test_the_schedule_and_clipping_resume_exactly(recipe, tmp_path):
     stopped after step 3 and resumed: the learning rates and the losses of the uninterrupted run, to the bit.
     The control (HPCML_TEST_FAULT=schedule-restart, DDP): a resume that starts the schedule again is caught,
     by more than 100x the parity tests' tolerance (measured: 480x)."""
-    path = SCHEDULE_RECIPES[recipe]
-    extra = ["--tp", "1"] if recipe == "fsdp_tp_pp" else []
+    path, extra = SCHEDULE_RECIPES[recipe]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert_ok(run_recipe(path, straight, 1, *SCHEDULED, *extra))
     assert_ok(run_recipe(path, stopped, 1, *SCHEDULED, *extra, "--stop-at-step", "3"))
@@ -214,12 +213,12 @@ def test_the_schedule_and_clipping_resume_exactly(recipe, tmp_path):
     assert [record["lr"] for record in read_metrics(stopped)["history"]] == expected
     assert losses(read_metrics(stopped)) == losses(read_metrics(straight))
     norms = [record.get("grad_norm") for record in read_metrics(straight)["history"]]
-    assert recipe == "deepspeed" or sum(norm > 0.35 for norm in norms) >= 2  # (DeepSpeed without ZeRO: no norm)
+    assert sum(norm > 0.35 for norm in norms) >= 2
     if recipe != "ddp":
         return
     restarted = tmp_path / "restarted"
-    assert_ok(run_recipe(path, restarted, 1, *SCHEDULED, "--stop-at-step", "3"))
-    assert_ok(run_recipe(path, restarted, 1, *SCHEDULED, HPCML_TEST_FAULT="schedule-restart"))
+    assert_ok(run_recipe(path, restarted, 1, *SCHEDULED, *extra, "--stop-at-step", "3"))
+    assert_ok(run_recipe(path, restarted, 1, *SCHEDULED, *extra, HPCML_TEST_FAULT="schedule-restart"))
     assert [record["lr"] for record in read_metrics(restarted)["history"]][3] == 1.0  # warmup again at step 4
     assert max_relative_difference(losses(read_metrics(restarted)), losses(read_metrics(straight))) > 100 * RTOL
 

@@ -86,14 +86,17 @@ def add_optimizer_option(p: argparse.ArgumentParser, default: str = "adamw") -> 
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def add_schedule_options(p: argparse.ArgumentParser) -> None:
+def add_schedule_options(p: argparse.ArgumentParser, clip_grad: bool = True) -> None:
     """What fine-tuning needs from the loop (run.learning_rate, run.clip_gradients): a learning-rate schedule
-    and gradient clipping. Both follow the step number, so a resumed run continues them exactly."""
+    and gradient clipping. Both follow the step number, so a resumed run continues them exactly.
+    ``clip_grad=False``: the recipe's framework clips, under its own --clip-grad (Megatron's optimizer)."""
     g = p.add_argument_group("learning rate and gradients")
     g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                    help="after the warmup: constant --lr, or cosine from --lr down to --lr/10 at --max-steps")
     g.add_argument("--warmup-steps", type=int, default=0, metavar="N",
                    help="rise linearly to --lr over the first N steps (0: start at --lr)")
+    if not clip_grad:
+        return
     g.add_argument("--clip-grad", type=float, default=0.0, metavar="NORM",
                    help="scale the gradients down to this global norm when they exceed it (0: no clipping); the "
                         "norm before clipping is logged as grad_norm")

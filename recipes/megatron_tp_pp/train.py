@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--tie-embeddings", action="store_true", help="share the input embedding with the output layer")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off; megatron's optimizer clips)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--distributed-optimizer", action="store_true", help="shard the optimizer state over DP (ZeRO-1)")
     p.add_argument("--batch-p2p-comm", action="store_true",
@@ -83,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "dp-no-reduce": "the DP replicas' gradients never reduced (needs DP > 1)",
     }, other={"microbatch-sum": "the micro-batches' gradients summed instead of averaged",
               "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
+    harness.add_schedule_options(p, clip_grad=False)  # --lr-schedule, --warmup-steps (the rate set every step)
     return harness.parse_recipe_args(p, RECIPE, argv)
 
 
@@ -116,7 +117,7 @@ def init_weights_by_global_name(model_chunks, seed: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # to resume a checkpoint (in any layout: megatron reshards)
-    must_match = {"model": model_settings(args), "optimizer_name": args.optimizer}
+    must_match = {"model": model_settings(args), "optimizer_name": args.optimizer, **harness.schedule_identity(args)}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank (no megatron import: seconds)
         layout = validate(args, args.preflight)
         resume_from, _ = harness.resume_dir(args, must_match)
@@ -250,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         # One entry per model chunk, as Megatron-LM lays it out; the optimizer maps its state onto them.
         # (the GPT models under the DDP wrappers: the keys carry no "module." prefix)
         state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+        if args.optimizer == "sgd":  # plain SGD keeps no state (and megatron cannot load SGD's: no init_state_fn)
+            return state
         # The distributed optimizer's state in the canonical per-parameter form: resumable in any layout.
         state["optimizer"] = optimizer.sharded_state_dict(
             dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
@@ -265,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "move it away, use a new --out-dir, or --no-resume") from error
         for i, chunk in enumerate(model_chunks):
             chunk.module.load_state_dict(loaded[f"model{i}"])
-        optimizer.load_state_dict(loaded["optimizer"])
+        if "optimizer" in loaded:
+            optimizer.load_state_dict(loaded["optimizer"])
         if args.test_break == "resume-fresh-optimizer":  # TESTS ONLY: Adam's moments and step count dropped
             for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
                 for state in inner.optimizer.state.values():
@@ -364,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         for chunk in model_chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        harness.set_learning_rate(optimizer, run.learning_rate(step))  # --lr-schedule, --warmup-steps
         step_loss = run_schedule(inputs, targets, forward_only=False)
         update_successful, grad_norm, _ = optimizer.step()
         if not update_successful:
