@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (TINY, container_env, ddp_image, recipe_env, run, sbatch_recipe,  # noqa: F401 (ddp_image: a fixture)
-                      shifter_pull)
+from conftest import CLUSTER_DIR, REPO, TINY, container_env, job_state, recipe_env, run, sbatch_recipe, shifter_pull
 
 pytestmark = pytest.mark.slurm
 RECIPE_ARGS = [*TINY, "--max-steps", "4", "--global-batch", "8", "--checkpoint-every", "0"]
@@ -45,6 +44,45 @@ def test_batch_not_divisible_by_world_size_fails_with_one_line(slurm_cluster, tm
     assert code != 0 and state == "FAILED", log
     assert "[ddp] error: --global-batch 10 is not divisible by the world size 4" in log
     assert "Traceback" not in log and "world_size=4" not in log
+
+
+def test_a_batch_file_runs_by_hand_in_an_interactive_allocation(slurm_cluster, tmp_path):
+    """The docs' interactive route: `salloc ...`, then `bash slurm/ddp.sh` inside the allocation. The same file
+    starts its ranks on the allocation's nodes (2 nodes, one rank each, each on its own host) and trains."""
+    env = container_env(**{**slurm_cluster, "CONTAINER_RUNTIME": "none", "RUN_DIR": str(tmp_path / "run")})
+    result = run(["salloc", "-N", "2", "--ntasks-per-node", "1", "-t", "5", "bash", "slurm/ddp.sh", *RECIPE_ARGS],
+                 env=env, cwd=REPO, timeout=420)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "launch: srun" in log and "[ddp] done: step 4/4" in log, log[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and len(set(metrics["hostnames"])) == 2, metrics["hostnames"]
+
+
+def test_a_cluster_without_shifter_takes_the_batch_files_through_submit_sh(slurm_cluster, tmp_path):
+    """Another Slurm cluster: the same controller and nodes seen through a slurm.conf without Shifter's SPANK
+    plugin. sbatch refuses the file's `#SBATCH --module=gpu,nccl-plugin` there (the defect a user of any other
+    cluster meets first); slurm/submit.sh submits it without the Shifter-only lines, and the job trains."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    for name in ("gres.conf", "cgroup.conf"):
+        (etc / name).write_text((CLUSTER_DIR / "etc" / name).read_text())
+    (etc / "plugstack.conf").write_text("")  # no SPANK plugin: no --image, no --module
+    conf = re.sub(r"(?m)^PlugStackConfig=.*$", f"PlugStackConfig={etc / 'plugstack.conf'}",
+                  (CLUSTER_DIR / "etc" / "slurm.conf").read_text())
+    (etc / "slurm.conf").write_text(conf)
+    env = container_env(**{**slurm_cluster, "SLURM_CONF": str(etc / "slurm.conf"), "CONTAINER_RUNTIME": "none",
+                           "RUN_DIR": str(tmp_path / "run")})
+    options = ["--parsable", "--wait", "-t", "5", "-N", "2", "--ntasks-per-node", "1", "-o", str(tmp_path / "%x-%j.out")]
+    refused = run(["sbatch", *options, "slurm/ddp.sh", *RECIPE_ARGS], env=env, cwd=REPO, timeout=60)
+    assert refused.returncode != 0 and "unrecognized option '--module=gpu,nccl-plugin'" in refused.stderr, refused.stderr
+    submitted = run(["slurm/submit.sh", *options, "slurm/ddp.sh", *RECIPE_ARGS], env=env, cwd=REPO, timeout=420)
+    assert "goes without its #SBATCH --image/--module lines" in submitted.stderr, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    assert submitted.returncode == 0 and job_id.isdigit() and job_state(job_id) == "COMPLETED", submitted.stderr
+    log = (tmp_path / f"ddp-{job_id}.out").read_text()
+    assert "[ddp] done: step 4/4" in log, log[-3000:]
+    assert len(set(json.loads((tmp_path / "run" / "metrics.json").read_text())["hostnames"])) == 2
 
 
 @pytest.mark.containers
