@@ -306,6 +306,7 @@ def test_runtime_not_installed():
     assert "'shifter' command is not on PATH" in error
 
 
+@pytest.mark.containers  # (asks podman's own storage)
 def test_podman_image_missing():
     error = one_line_error(launch(CONTAINER_RUNTIME="podman", CONTAINER_IMAGE="localhost/hpcml/no-such-image:cpu"))
     assert "image 'localhost/hpcml/no-such-image:cpu' is not in podman's local storage" in error

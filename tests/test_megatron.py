@@ -256,7 +256,7 @@ def preflight(world_size: int, *args: str, **env):
     (4, ["--tp", "2", "--global-batch", "6"], "--global-batch 6 is not divisible by --micro-batch 2 x DP 2 = 4"),
     (2, ["--pp", "2", "--vp", "2", "--batch-p2p-comm"], "drop --batch-p2p-comm"),
     (2, ["--vp", "2"], "--vp 2 needs --vp >= 2 and --pp >= 2"),
-    (1, ["--clip-grad", "-1"], "--clip-grad must be 0 (no clipping) or more, got -1.0"),
+    (1, ["--clip-grad", "-1"], "--clip-grad must be 0 (no clipping) or a positive norm, got -1.0"),
     (1, ["--lr", "0"], "--lr must be a positive finite number, got 0.0"),
     (1, ["--lr", "inf"], "--lr must be a positive finite number, got inf"),
     (2, ["--optimizer", "sgd", "--distributed-optimizer"], "distributed optimizer is Adam only"),

@@ -36,8 +36,6 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
     if args.optimizer == "sgd" and args.distributed_optimizer:
         raise harness.ConfigError("megatron-core's distributed optimizer is Adam only: drop --distributed-optimizer "
                                   "or --optimizer sgd")
-    if args.clip_grad < 0:
-        raise harness.ConfigError(f"--clip-grad must be 0 (no clipping) or more, got {args.clip_grad}")
     if importlib.util.find_spec("psutil") is None:  # megatron-core uses it undeclared; its save hangs without
         raise harness.ConfigError("psutil is not installed, and megatron-core's checkpoint writer needs it: "
                                  "pip install psutil (the megatron image has it)")
