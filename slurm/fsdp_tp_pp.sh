@@ -37,4 +37,4 @@ set -euo pipefail
 source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh"
 
 RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/fsdp_tp_pp-$SLURM_JOB_ID}
-launch_recipe recipes/fsdp_tp_pp/train.py --tp "$(ranks_per_node)" --out-dir "$RUN_DIR" "$@"
+launch_recipe recipes/fsdp_tp_pp/train.py --tp node --out-dir "$RUN_DIR" "$@"

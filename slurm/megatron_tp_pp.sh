@@ -37,5 +37,5 @@ set -euo pipefail
 source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh"
 
 RUN_DIR=${RUN_DIR:-$SLURM_SUBMIT_DIR/runs/megatron_tp_pp-$SLURM_JOB_ID}
-launch_recipe recipes/megatron_tp_pp/train.py --tp "$(ranks_per_node)" --pp "${SLURM_JOB_NUM_NODES:-1}" \
+launch_recipe recipes/megatron_tp_pp/train.py --tp node --pp "${SLURM_JOB_NUM_NODES:-1}" \
     --out-dir "$RUN_DIR" "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
 import harness  # noqa: E402
+from harness.launch import check_ranks_per_gpu  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -42,7 +44,35 @@ def test_srun_layout_uses_first_node_not_localhost():
                                   "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "nid[000017-000018]"})
     assert (env.rank, env.local_rank, env.world_size, env.launcher) == (5, 1, 8, "srun")
     assert env.master_addr == "nid000017"
-    assert env.master_port == 29500 + 4242 % 10000
+    assert env.master_port == 29500  # torch's default under a bare srun; slurm/lib/launch.sh sets one per job
+    assert harness.detect_dist_env({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
+                                    "SLURM_JOB_NODELIST": "nid000017", "MASTER_PORT": "34242"}).master_port == 34242
+
+
+@pytest.mark.parametrize("tasks_env", [{"SLURM_NTASKS_PER_NODE": "4"}, {"SLURM_TASKS_PER_NODE": "4(x2)"},
+                                       {"LOCAL_WORLD_SIZE": "4", "SLURM_NTASKS_PER_NODE": "1"}])
+def test_tp_node_is_the_ranks_of_a_node(tasks_env, monkeypatch):
+    """--tp node (slurm/fsdp_tp_pp.sh, slurm/megatron_tp_pp.sh): what the launcher started on a node."""
+    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in tasks_env.items():
+        monkeypatch.setenv(name, value)
+    assert harness.tp_size("node") == 4 and harness.tp_size("2") == 2
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.delenv("SLURM_TASKS_PER_NODE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert harness.tp_size("node") == 1  # nothing says: one rank per node
+    with pytest.raises(argparse.ArgumentTypeError, match="use a number of ranks or 'node'"):
+        harness.tp_size("nodes")
+
+
+def test_more_ranks_than_gpus_per_node_is_refused():
+    """Checked by every recipe's preflight (slurm/lib/launch.sh runs it before srun) and on every rank."""
+    error = "8 ranks per node but 4 GPUs per node: one rank per GPU; use --ntasks-per-node=4 (or ask for --gpus-per-node=8)"
+    with pytest.raises(harness.ConfigError, match=re.escape(error)):
+        check_ranks_per_gpu({"SLURM_GPUS_PER_NODE": "a100:4", "SLURM_TASKS_PER_NODE": "8(x2)"})
+    check_ranks_per_gpu({"SLURM_GPUS_PER_NODE": "4", "SLURM_NTASKS_PER_NODE": "4"})
+    check_ranks_per_gpu({"SLURM_NTASKS_PER_NODE": "8"})  # no GPUs: nothing to share
 
 
 def test_srun_step_nodelist_and_task_count_preferred():

@@ -380,7 +380,7 @@ BAD_INPUTS = {
     "missing image": ([], [], {"CONTAINER_RUNTIME": "podman", "CONTAINER_IMAGE": "hpcml/no-such-image:cpu"},
                       "launch: error: image 'hpcml/no-such-image:cpu' is not in podman's local storage"),
     "more tasks than GPUs per node": (["--ntasks-per-node", "6", "--cpus-per-task", "1"], [], {},
-        "launch: error: 6 tasks per node but 4 GPUs per node"),
+        "[ddp] error: 6 ranks per node but 4 GPUs per node"),
     "bad MASTER_PORT": ([], [], {"MASTER_PORT": "99999"}, "launch: error: MASTER_PORT=99999 is not a port number"),
     "unwritable output": ([], [], {"RUN_DIR": "{tmp}/file/run"}, "launch: error: cannot write to the run directory"),
     "relative extra mount": ([], [], {"CONTAINER_MOUNTS": "data"},

@@ -64,7 +64,8 @@ DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by pa
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.new_parser(__doc__)
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default: the ranks of a node)")
+    p.add_argument("--tp", type=harness.tp_size, default=None,
+                   help="tensor-parallel ranks, or node: the ranks of a node (default: those, where the model splits into them)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks that each hold a block of layers)")
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP; default 1: FSDP)")
     p.add_argument("--dp-shard", type=int, default=None, help="FSDP2 shards (default: what is left of the world)")

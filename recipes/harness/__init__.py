@@ -38,9 +38,9 @@ from .errors import ConfigError, stderr_line
 from .data import (numpy_batches, numpy_token_batch, step_batches, SyntheticTokens, tf_step_batches, TokenFileData,
                    training_data, validation_data)
 from .launch import (
-    all_hostnames, check_expected_world_size, default_master_port, detect_dist_env, DistEnv, expand_hostlist,
+    all_hostnames, check_expected_world_size, detect_dist_env, DistEnv, expand_hostlist,
     EXPECTED_WORLD_SIZE_ENV, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
-    mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed,
+    mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed, tp_size,
 )
 from .metrics import (describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, tensorboard_dir,
                       transformer_flops_per_token)
@@ -54,14 +54,13 @@ __all__ = [
     "add_test_break_option", "clip_gradients", "learning_rate", "schedule_identity", "set_learning_rate",
     "all_hostnames", "atomic_write_bytes",
     "check_expected_world_size", "check_export_option", "check_model_vocabulary", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV",
-    "default_master_port",
     "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV", "export_trained_model",
     "gpu_for_local_rank", "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "leave_process_group",
     "list_checkpoint_dirs", "list_checkpoints", "main_entry", "max_across_ranks", "max_difference_across_ranks",
     "mean_across_ranks", "MetricsLogger", "model_size", "model_spec", "ModelSpec", "new_parser", "nodes_in_job", "numpy_batches",
     "numpy_token_batch",
     "parse_args_with_config", "parse_recipe_args", "peak_flops", "preflight_line", "publish_checkpoint_dir",
-    "ranks_per_node", "require_at_least_one", "require_divisible", "require_positive", "restore_rng_state",
+    "ranks_per_node", "tp_size", "require_at_least_one", "require_divisible", "require_positive", "restore_rng_state",
     "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
     "save_sharded_checkpoint", "setup_torch_distributed", "staging_checkpoint_dir", "start_metrics",
     "stderr_line", "step_batches", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir",

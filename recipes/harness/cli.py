@@ -19,7 +19,7 @@ from typing import Callable
 
 from .data import check_data_option, user_dataset
 from .errors import ConfigError, stderr_line
-from .launch import check_gpus_visible, exit_on_collective_failure, failed_collective_rank
+from .launch import check_gpus_visible, check_ranks_per_gpu, exit_on_collective_failure, failed_collective_rank
 from .metrics import check_tensorboard_writer, tensorboard_dir
 
 
@@ -245,6 +245,7 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
         raise ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
     if tensorboard_dir(args) is not None and framework == "torch":
         check_tensorboard_writer()
+    check_ranks_per_gpu()
     # slurm/preflight.sh (job id 0) runs on a login node, which may have no GPU: there, the build only.
     check_gpus_visible(framework, build_only=args.preflight is not None and os.environ.get("SLURM_JOB_ID") == "0")
 

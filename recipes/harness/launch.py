@@ -17,6 +17,7 @@ PyTorch is imported inside the functions that use it: the TensorFlow recipes imp
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import re
@@ -69,11 +70,6 @@ def _split_outside_brackets(text: str) -> list[str]:
     return [item for item in items if item]
 
 
-def default_master_port(job_id: str | None) -> int:
-    """Same on every rank of a job, different between jobs that may share a node."""
-    return 29500 + int(job_id) % 10000 if job_id and job_id.isdigit() else 29500
-
-
 def detect_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
     """Where this process sits in the job. Raises ConfigError for layouts that cannot form one world."""
     env = os.environ if environ is None else environ
@@ -105,7 +101,8 @@ def detect_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             world_size=tasks,
             master_addr=master_addr,
-            master_port=int(env.get("MASTER_PORT") or default_master_port(env.get("SLURM_JOB_ID"))),
+            # slurm/lib/launch.sh gives each job its own port (jobs may share a node); bare srun: torch's default
+            master_port=int(env.get("MASTER_PORT") or 29500),
             launcher="srun",
         )
 
@@ -126,6 +123,27 @@ def nodes_in_job(environ: dict[str, str] | None = None) -> int | None:
     env = os.environ if environ is None else environ
     nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     return int(nodes) if nodes and nodes.isdigit() else None
+
+
+def tp_size(value: str) -> int:
+    """An argparse type for --tp: a number of ranks, or "node": the ranks of one node (what the launcher
+    started there; 1 when nothing says), so that a batch file keeps tensor parallelism inside each node."""
+    if value == "node":
+        return ranks_per_node() or 1
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"use a number of ranks or 'node' (the ranks of one node), not '{value}'")
+    return int(value)
+
+
+def check_ranks_per_gpu(environ: dict[str, str] | None = None) -> None:
+    """One rank per GPU: more ranks on a node than Slurm gave it GPUs would share devices (or fail in NCCL much
+    later). Also with HPCML_ALLOW_CPU=1: the layout is wrong either way."""
+    env = os.environ if environ is None else environ
+    ranks = ranks_per_node(env)
+    gpus = env.get("SLURM_GPUS_PER_NODE", "").rpartition(":")[2]  # 4, or a100:4
+    if ranks and gpus.isdigit() and 0 < int(gpus) < ranks:
+        raise ConfigError(f"{ranks} ranks per node but {gpus} GPUs per node: one rank per GPU; use "
+                          f"--ntasks-per-node={gpus} (or ask for --gpus-per-node={ranks})")
 
 
 # slurm/lib/launch.sh exports the number of ranks it launched. A recipe whose framework formed another world

@@ -54,7 +54,8 @@ RECIPE = "megatron_tp_pp"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.new_parser(__doc__)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks that split each layer (within a node)")
+    p.add_argument("--tp", type=harness.tp_size, default=1,
+                   help="tensor-parallel size: ranks that split each layer (within a node), or node: the ranks of a node")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: ranks that each hold a block of layers")
     p.add_argument("--vp", type=int, default=None,
                    help="virtual pipeline stages per PP rank (interleaved schedule; needs --pp >= 2)")
