@@ -121,6 +121,14 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
 
+RANK_LABEL = re.compile(r"^ *\d+: ", re.M)  # srun --label (slurm/lib/runtime.sh): " 9: [ddp] step ..."
+
+
+def unlabelled(log: str) -> str:
+    """A job log without srun's rank labels, for reading what the ranks said."""
+    return RANK_LABEL.sub("", log)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> dict[str, str]:
     """The local Slurm cluster (started if needed, left running for the next test session; `make cluster-stop`).

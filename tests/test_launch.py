@@ -40,7 +40,7 @@ def srun_line(result) -> list[str]:
 def test_bare_runtime_command_and_environment():
     result = launch("--max-steps", "3", CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1")
     assert result.returncode == 0, result.stderr
-    assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/ddp/train.py",
+    assert srun_line(result) == ["srun", "--label", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/ddp/train.py",
                                  "--max-steps", "3"]
     # Rendezvous at the first node of the allocation, a port derived from the job id.
     assert "master=nid000003:30734" in result.stdout
@@ -57,7 +57,7 @@ def test_shifter_runs_the_jobs_image_by_its_id():
                     SLURM_SPANK_SHIFTER_IMAGETYPE="id", SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin")
     assert result.returncode == 0, result.stderr
     words = without_settings(srun_line(result))
-    assert words[:6] == ["srun", "-u", "--kill-on-bad-exit=1", "shifter", "--module=gpu,nccl-plugin", "python3"]
+    assert words[:6] == ["srun", "--label", "--kill-on-bad-exit=1", "shifter", "--module=gpu,nccl-plugin", "python3"]
     assert f"image=id:{IMAGE_ID} (from the job's --image)" in result.stdout
 
 
@@ -342,7 +342,7 @@ def test_accelerate_starts_one_launcher_per_node_that_expands_the_node_rank_ther
     assert result.returncode == 0, result.stderr
     words = srun_line(result)
     # 8 ranks on 2 nodes: one task per node, with the CPUs of its 4 ranks.
-    assert words[:7] == ["srun", "-u", "--kill-on-bad-exit=1", "-N", "2", "--ntasks=2", "--ntasks-per-node=1"]
+    assert words[:7] == ["srun", "--label", "--kill-on-bad-exit=1", "-N", "2", "--ntasks=2", "--ntasks-per-node=1"]
     assert words[7] == "--cpus-per-task=128"
     image_at = words.index("me/acc:v1")
     assert words[image_at + 1:image_at + 3] == ["bash", f"{REPO}/slurm/lib/per_node.sh"]
@@ -390,7 +390,7 @@ def test_accelerate_config_that_does_not_exist():
 def test_deepspeed_ranks_are_srun_tasks_with_node_local_op_caches():
     result = sbatch_file("deepspeed", "--zero-stage", "3", CONTAINER_RUNTIME="none")
     assert result.returncode == 0, result.stderr
-    assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/deepspeed/train.py",
+    assert srun_line(result) == ["srun", "--label", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/deepspeed/train.py",
                                  "--out-dir", f"{REPO}/runs/deepspeed-1234", "--zero-stage", "3"]
 
 
@@ -398,7 +398,7 @@ def test_megatron_puts_tp_inside_a_node_and_pp_across_nodes_unless_told_otherwis
     """--tp node: the recipe takes the ranks of a node (harness.tp_size, tests/test_harness.py); --pp the nodes."""
     result = sbatch_file("megatron_tp_pp", "--num-layers", "8", CONTAINER_RUNTIME="none", SLURM_NTASKS_PER_NODE="4")
     assert result.returncode == 0, result.stderr
-    assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/megatron_tp_pp/train.py",
+    assert srun_line(result) == ["srun", "--label", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/megatron_tp_pp/train.py",
                                  "--tp", "node", "--pp", "2", "--out-dir", f"{REPO}/runs/megatron_tp_pp-1234", "--num-layers", "8"]
     # The user's --tp/--pp come after the defaults: argparse keeps the last one.
     override = sbatch_file("megatron_tp_pp", "--tp", "2", "--pp", "4", CONTAINER_RUNTIME="none", SLURM_NTASKS_PER_NODE="4")
@@ -408,7 +408,7 @@ def test_megatron_puts_tp_inside_a_node_and_pp_across_nodes_unless_told_otherwis
 def test_horovod_runs_the_tensorflow_recipe_or_the_pytorch_one_and_nothing_else():
     result = sbatch_file("horovod", "--batch-per-rank", "4", CONTAINER_RUNTIME="none")
     assert result.returncode == 0, result.stderr
-    assert srun_line(result) == ["srun", "-u", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/horovod/train.py",
+    assert srun_line(result) == ["srun", "--label", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/horovod/train.py",
                                  "--out-dir", f"{REPO}/runs/horovod-1234", "--batch-per-rank", "4"]
     torch_variant = sbatch_file("horovod", CONTAINER_RUNTIME="none", RECIPE="recipes/horovod/train_torch.py")
     assert srun_line(torch_variant)[4] == f"{REPO}/recipes/horovod/train_torch.py"
@@ -459,7 +459,7 @@ def test_each_rank_gets_its_own_cores_and_perlmutter_gpus_are_ordered_by_numa():
     (What the ranks then see is logged by each one: '[launch] rank R ... cpus C, device D'.)"""
     job = dict(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", SLURM_CPUS_PER_TASK="32", SLURM_GPUS_PER_NODE="4")
     result = launch(**job)
-    assert srun_line(result)[:6] == ["srun", "-u", "--kill-on-bad-exit=1", "--cpus-per-task=32", "--cpu-bind=cores", "python3"]
+    assert srun_line(result)[:6] == ["srun", "--label", "--kill-on-bad-exit=1", "--cpus-per-task=32", "--cpu-bind=cores", "python3"]
     assert "GPU order=(local rank l: GPU l)" in result.stdout
     assert "GPU order=3,2,1,0" in launch(**job, NERSC_HOST="perlmutter").stdout
     assert "GPU order=(local rank l: GPU l)" in launch(**job, NERSC_HOST="perlmutter", HPCML_GPU_ORDER="").stdout

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (EVAL, REPO, TINY, build_images, container_env, eval_losses, job_nodes, job_state, losses,
+from conftest import (EVAL, REPO, TINY, build_images, unlabelled, container_env, eval_losses, job_nodes, job_state, losses,
                       podman_load_as_user, read_metrics, recipe_env, run, shifter_pull, step_launches,
                       submit_recipe)
 
@@ -291,9 +291,9 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
 
     if cell["expect"] == "config-error":
         assert code == 2 and state == "FAILED", log  # the preflight's exit code for bad input
-        errors = {line for line in log.splitlines() if line.startswith(f"[{recipe}] error:")}
+        errors = {line for line in unlabelled(log).splitlines() if line.startswith(f"[{recipe}] error:")}
         assert len(errors) == 1, log  # one message (each rank may print it), and nothing else went wrong
-        assert "Traceback" not in log and not re.search(rf"^\[{recipe}\] step ", log, re.M), log
+        assert "Traceback" not in log and not re.search(rf"^\[{recipe}\] step ", unlabelled(log), re.M), log
         assert not (tmp_path / "run" / "metrics.json").exists()
         return
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLUSTER_DIR, DDP_RECIPE, REPO, TINY, assert_ok, container_env, copy_checkout, job_nodes, job_state,
+from conftest import (CLUSTER_DIR, DDP_RECIPE, unlabelled, REPO, TINY, assert_ok, container_env, copy_checkout, job_nodes, job_state,
                       losses, read_metrics, recipe_env, run, run_single, sbatch_recipe, shifter_pull,
                       submit_recipe)
 
@@ -76,7 +76,7 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
 
 
 def started_training(tmp_path: Path, job_id: str) -> bool:
-    return bool(re.search(r"^\[ddp\] step +10 ", log_of(tmp_path, job_id), re.M))
+    return bool(re.search(r"^\[ddp\] step +10 ", unlabelled(log_of(tmp_path, job_id)), re.M))
 
 
 def test_killed_rank_ends_the_job_promptly_and_is_named(slurm_cluster, tmp_path):
@@ -234,7 +234,7 @@ def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_laun
                         recipe_args=LONG_RUN, **env)[1]
     log_path = tmp_path / f"accelerate-{job}.out"
     log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
-    wait_for(lambda: re.search(r"^\[accelerate\] step +10 ", log(), re.M), 120, "training to start")
+    wait_for(lambda: re.search(r"^\[accelerate\] step +10 ", unlabelled(log()), re.M), 120, "training to start")
     assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
     try:
         wait_for(lambda: "requeueing job" in log(), 60, "the job to requeue itself")
@@ -263,7 +263,7 @@ def signal_time_limit_and_wait_for_requeue(cluster: dict, tmp_path: Path, recipe
                                      "--log-every", "10", *extra_args], user=user, **env)[1]
     log_path = tmp_path / f"{recipe}-{job}.out"
     log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
-    wait_for(lambda: re.search(rf"^\[{recipe}\] step +10 ", log(), re.M), 180, "training to start")
+    wait_for(lambda: re.search(rf"^\[{recipe}\] step +10 ", unlabelled(log()), re.M), 180, "training to start")
     assert run(["scancel", "--signal=USR1", job], env=recipe_env(**cluster)).returncode == 0
     try:
         wait_for(lambda: "requeueing job" in log(), 90, "the job to requeue itself")

@@ -153,7 +153,7 @@ def test_the_launchers_settings_and_the_images_packages_win_in_the_container(slu
                                      PYTHONUSERBASE=str(work / "userbase"))
     assert (code, state) == (0, "COMPLETED"), log
     assert "shadowed the image" not in log
-    seen = re.search(r"^\[launch\] rank 0 sees (.*)$", log, re.M)
+    seen = re.search(r"^ *0: \[launch\] rank 0 sees (.*)$", log, re.M)
     assert seen, log
     settings = dict(word.split("=", 1) for word in seen.group(1).split(" ") if "=" in word)
     launchers = {"NCCL_NET_PLUGIN": "libnccl-net.so", "NCCL_DEBUG": "WARN", "FI_CXI_RX_MATCH_MODE": "hybrid"}
@@ -165,3 +165,37 @@ def test_the_launchers_settings_and_the_images_packages_win_in_the_container(slu
         srun = next(line for line in log.splitlines() if line.startswith("launch: srun "))
         assert re.search(r" --image=id:[0-9a-f]{64} ", srun) and "--image=docker:" not in srun, srun
         assert re.search(rf"image=docker:hpcml/{image}:cpu id:[0-9a-f]{{64}} \(from CONTAINER_IMAGE\)", log), log
+
+
+def unattributable_lines(log: str, world_size: int) -> list[str]:
+    """The lines of a job log that do not say which rank wrote them, or that hold more than one rank's line.
+    The batch script's own lines (launch: ..., the recipe's preflight) and srun's are not a rank's."""
+    bad = []
+    for line in log.splitlines():
+        if line.startswith(("launch: ", "srun: ", "[ddp] preflight: ")):
+            continue
+        match = re.fullmatch(r" *(\d+): (.*)", line)
+        if not match or int(match[1]) >= world_size:
+            bad.append(line)
+            continue
+        rank, text = int(match[1]), match[2]
+        run_together = text.count("[launch] ") + text.count("[ddp] ") > 1
+        if run_together or (text.startswith("[launch] rank ") and not text.startswith(f"[launch] rank {rank} ")):
+            bad.append(line)
+    return bad
+
+
+def test_every_line_of_an_8_rank_job_is_whole_and_names_its_rank(slurm_cluster, tmp_path):
+    """srun --label (slurm/lib/runtime.sh): each rank's line reaches the log whole and starts with its rank
+    (' 5: [launch] rank 5 ...'). Under srun -u a line's text and its newline were separate writes, and ranks'
+    lines ran together; the control is such a line, from a 16-rank job's log, which the check must flag."""
+    code, state, log = sbatch(slurm_cluster, tmp_path, "-N", "4", "--ntasks-per-node", "2", "-t", "5")
+    assert (code, state) == (0, "COMPLETED"), log[-3000:]
+    assert unattributable_lines(log, 8) == [], log[-3000:]
+    started = {int(m[1]) for m in re.finditer(r"^ *(\d+): \[launch\] rank \1 \(local rank [01]\) on ", log, re.M)}
+    assert started == set(range(8)), log[-3000:]
+    assert re.search(r"^ *0: \[ddp\] done: step 4/4", log, re.M), log[-3000:]
+    control = ("[launch] rank 9 (local rank 0) on nid000010: cpus 0-1, device cpu[launch] rank 14 (local rank 0) on "
+               "nid000015: cpus 0-1, device cpu")
+    assert unattributable_lines(control, 16) == [control]
+    assert unattributable_lines(f" 9: {control}", 16) == [f" 9: {control}"]

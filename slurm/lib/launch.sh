@@ -2,7 +2,7 @@
 # Shared launch logic for every sbatch file in slurm/: sourced, then `launch_recipe RECIPE [ARGS...]`.
 #
 # Chooses the container runtime, finds the image, sets the rendezvous host and the Slingshot/NCCL
-# settings, logs what is about to run, and starts one task per rank with `srun -u --kill-on-bad-exit`.
+# settings, logs what is about to run, and starts one task per rank with `srun --label --kill-on-bad-exit`.
 # Everything that can be wrong with the input is checked here (preflight), before srun starts a single
 # rank; after the step, a recipe stopped by the time-limit warning gets its job requeued.
 #

@@ -135,7 +135,9 @@ build_step() {
     local -a container
     if [[ -z ${RECIPE_LAUNCHER:-} ]]; then
         build_command container "$runtime" "$image" "$REPO_DIR/$recipe" "$@"
-        step=(srun -u --kill-on-bad-exit=1)
+        # --label: every line of a rank reaches the log whole (srun forwards whole lines unless -u) and starts
+        # with the rank's task id (" 9: [ddp] ..."): at hundreds of ranks, the only way to read who said what.
+        step=(srun --label --kill-on-bad-exit=1)
         # Since Slurm 22.05 srun does not inherit the job's --cpus-per-task: without it every rank of a node
         # would share one core. Each rank gets its own cores, bound.
         [[ ${SLURM_CPUS_PER_TASK:-} =~ ^[0-9]+$ ]] && step+=(--cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=cores)
@@ -149,7 +151,7 @@ build_step() {
     local python_at=$((${#container[@]} - $# - 2))
     container=("${container[@]:0:python_at}" bash "$REPO_DIR/slurm/lib/per_node.sh" "$RECIPE_LAUNCHER"
         "${container[@]:python_at}")
-    step=(srun -u --kill-on-bad-exit=1 -N "$nodes" --ntasks="$nodes" --ntasks-per-node=1)
+    step=(srun --label --kill-on-bad-exit=1 -N "$nodes" --ntasks="$nodes" --ntasks-per-node=1)
     # The node's launcher task needs the CPUs of all the ranks it starts.
     [[ ${SLURM_CPUS_PER_TASK:-} =~ ^[0-9]+$ ]] &&
         step+=(--cpus-per-task=$((SLURM_CPUS_PER_TASK * tasks / nodes)) --cpu-bind=cores)
