@@ -76,7 +76,7 @@ def optimizer(name: str, lr: float) -> tf.keras.optimizers.Optimizer:
 
 def restore(checkpoint, model: tf.keras.Model, path: str, weights_only: bool = False) -> None:
     """Read a checkpoint the recipes wrote (tf.train.Checkpoint of model and optimizer) back, all of it.
-    ``weights_only`` (TESTS ONLY, --test-break resume-fresh-optimizer): the model alone, a fresh optimizer."""
+    ``weights_only`` (a test's negative control, resume-fresh-optimizer): the model alone, a fresh optimizer."""
     import tensorflow as tf
 
     if weights_only:

@@ -55,15 +55,22 @@ def run(cmd: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
-def run_single(out_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The recipe as one plain process: the reference."""
-    return run([sys.executable, str(DDP_RECIPE), "--out-dir", str(out_dir), *TINY, *args], env=recipe_env(), timeout=timeout)
+def run_single(out_dir: Path, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """The recipe as one plain process: the reference. ``env``: e.g. HPCML_TEST_FAULT=NAME (a negative control,
+    recipes/harness/faults.py)."""
+    return run([sys.executable, str(DDP_RECIPE), "--out-dir", str(out_dir), *TINY, *args], env=recipe_env(**env),
+               timeout=timeout)
 
 
-def run_torchrun(out_dir: Path, nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_torchrun(out_dir: Path, nproc: int, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(DDP_RECIPE), "--out-dir", str(out_dir), *TINY, *args]
-    return run(cmd, env=recipe_env(), timeout=timeout)
+    return run(cmd, env=recipe_env(**env), timeout=timeout)
+
+
+def fault(name: str | None) -> dict[str, str]:
+    """The environment that switches on the negative control ``name`` (None: none) in a recipe."""
+    return {"HPCML_TEST_FAULT": name} if name else {}
 
 
 def run_recipe(recipe: Path, out_dir: Path, nproc: int, *args: str, timeout: float = 300, **env: str):
@@ -115,6 +122,24 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
     if not all(math.isfinite(x) for x in (*a, *b)):
         return math.inf
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+# Every parity check: a distributed run against one process on the same data and weights, per step, relative
+# (float32 sums in another order differ by ~1e-7; a wrong gradient scale by 1e-3 and more).
+PARITY_RTOL = 1e-5
+CONTROL_MARGIN = 100  # a negative control must miss its check's tolerance by this factor at least
+MARGINS_FILE_ENV = "HPCML_TEST_MARGINS"  # set: every control's measured margin is appended there (JSON lines)
+
+
+def caught(difference: float, tolerance: float) -> bool:
+    """A negative control's run differs from the right one by more than CONTROL_MARGIN x ``tolerance``. The
+    margin (difference / tolerance) goes to $HPCML_TEST_MARGINS, when set, with the test that measured it."""
+    if os.environ.get(MARGINS_FILE_ENV):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(os.environ[MARGINS_FILE_ENV], "a") as out:
+            out.write(json.dumps({"test": test, "difference": difference, "tolerance": tolerance,
+                                  "margin": difference / tolerance}) + "\n")
+    return difference > CONTROL_MARGIN * tolerance
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import DDP_RECIPE, TINY, free_port, recipe_env, run
+from conftest import DDP_RECIPE, REPO, TINY, free_port, recipe_env, run
 
 
 def run_as_rank0_of(world_size: int, *args: str, **extra_env: str):
@@ -36,8 +36,6 @@ def assert_one_line_error(result, *fragments: str) -> None:
         (1, ["--n-embd", "30", "--n-head", "4"], ["--n-embd 30 is not divisible by --n-head 4"]),
         (2, ["--max-steps", "0"], ["--max-steps must be at least 1"]),
         (2, ["--max-steps", "5", "--stop-at-step", "9"], ["--stop-at-step must be between 1 and --max-steps 5"]),
-        (1, ["--skip-grad-allreduce"], ["only means something with more than one rank"]),
-        (1, ["--test-break", "grad-sum"], ["--test-break grad-sum only means something with more than one rank"]),
         # degenerate numbers that a range check lets through or that are divided by
         (2, ["--lr", "inf"], ["--lr must be a positive finite number, got inf"]),
         (2, ["--lr", "nan"], ["--lr must be a positive finite number, got nan"]),
@@ -54,6 +52,31 @@ def test_recipe_rejects_bad_layout_before_starting(tmp_path, world_size, args, f
     result = run_as_rank0_of(world_size, "--out-dir", str(tmp_path), *args)
     assert_one_line_error(result, *fragments)
     assert not (tmp_path / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("fault, fragment", [
+    ("grad-sum", "HPCML_TEST_FAULT=grad-sum changes nothing in this layout: it needs the parallelism it breaks"),
+    ("no-grad-allreduce", "HPCML_TEST_FAULT=no-grad-allreduce changes nothing in this layout"),
+    ("tp-no-reduce", "HPCML_TEST_FAULT=tp-no-reduce: ddp injects only grad-sum, no-grad-allreduce, "),
+])
+def test_a_negative_control_that_would_change_nothing_is_refused(tmp_path, fault, fragment):
+    """A control that silently does nothing would pass its test: on one process a gradient sum or a skipped
+    all-reduce changes nothing, and a fault the recipe cannot inject is not injected."""
+    result = run_as_rank0_of(1, "--out-dir", str(tmp_path), HPCML_TEST_FAULT=fault)
+    assert_one_line_error(result, fragment)
+
+
+TORCH_RECIPES = ["ddp", "accelerate", "deepspeed", "fsdp_tp_pp", "megatron_tp_pp", "horovod/train_torch"]
+
+
+@pytest.mark.parametrize("recipe", TORCH_RECIPES)
+def test_help_shows_no_test_only_option(recipe):
+    """The negative controls are the tests' (HPCML_TEST_FAULT), not options a user reads in --help."""
+    path = REPO / "recipes" / (recipe if "/" in recipe else f"{recipe}/train")
+    result = run([sys.executable, f"{path}.py", "--help"], env=recipe_env(), timeout=120)
+    assert result.returncode == 0 and "--max-steps" in result.stdout, result.stderr
+    for word in ("test-break", "skip-grad", "test-last", "test-resume", "TESTS ONLY", "wrong on purpose"):
+        assert word not in result.stdout, word
 
 
 def test_recipe_started_in_batch_script_without_srun_is_refused(tmp_path):

@@ -23,12 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (REPO, assert_ok, eval_losses, free_port, losses, max_relative_difference, read_metrics, recipe_env, run,
-                      run_single, run_torchrun)
+from conftest import (PARITY_RTOL, REPO, assert_ok, caught, eval_losses, fault, free_port, losses,
+                      max_relative_difference, read_metrics, recipe_env, run, run_single, run_torchrun)
 
 PREPARE = REPO / "recipes" / "data" / "prepare.py"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-LOSS_RTOL = 1e-5
 SGD = ["--optimizer", "sgd", "--lr", "1.0", "--checkpoint-every", "0", "--no-resume"]
 
 
@@ -270,12 +269,12 @@ def test_two_ranks_on_real_data_match_one_process_and_the_control_is_caught(corp
     parallel = read_metrics(tmp_path / "two")
     assert parallel["world_size"] == 2 and parallel["backend"] == "gloo" and parallel["model_wrapper"] == "DistributedDataParallel"
     assert parallel["config"]["data_workers"] == 2 and reference["config"]["data_workers"] == -1  # (-1: none on a CPU)
-    assert max_relative_difference(losses(parallel), losses(reference)) <= LOSS_RTOL
+    assert max_relative_difference(losses(parallel), losses(reference)) <= PARITY_RTOL
     # The data really is the corpus: the synthetic task's first loss differs (same weights, other tokens).
     assert_ok(run_single(tmp_path / "synthetic", *args[2:]))
     assert abs(losses(read_metrics(tmp_path / "synthetic"))[0] - losses(reference)[0]) > 1e-3
-    assert_ok(run_torchrun(tmp_path / "control", 2, *args, "--test-break", "grad-sum"))
-    assert max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)) > 100 * LOSS_RTOL
+    assert_ok(run_torchrun(tmp_path / "control", 2, *args, **fault("grad-sum")))
+    assert caught(max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)), PARITY_RTOL)
 
 
 def test_megatron_on_real_data_two_ranks_match_one_process(corpus, tmp_path):
@@ -289,8 +288,8 @@ def test_megatron_on_real_data_two_ranks_match_one_process(corpus, tmp_path):
                   env=recipe_env(HPCML_EXPECTED_WORLD_SIZE="2"), timeout=300))
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert two["layout"]["dp"] == 2 and two["world_size"] == 2 and one["world_size"] == 1
-    assert max_relative_difference(losses(two), losses(one)) <= LOSS_RTOL
-    assert len(eval_losses(one)) == 2 and max_relative_difference(eval_losses(two), eval_losses(one)) <= LOSS_RTOL
+    assert max_relative_difference(losses(two), losses(one)) <= PARITY_RTOL
+    assert len(eval_losses(one)) == 2 and max_relative_difference(eval_losses(two), eval_losses(one)) <= PARITY_RTOL
     assert list((tmp_path / "two" / "megatron_data_cache").glob("*GPTDataset-train-*"))
 
 
@@ -314,10 +313,10 @@ def test_a_resume_mid_epoch_continues_the_same_curve(tmp_path):
         out = tmp_path / f"resumed-{defect}"
         assert_ok(run_single(out, *args, "--stop-at-step", "5"))
         # (resumed with DataLoader workers reading ahead from the checkpoint's step on)
-        assert_ok(run_single(out, *args, *(["--test-break", defect] if defect else ["--data-workers", "2"])))
+        assert_ok(run_single(out, *args, *([] if defect else ["--data-workers", "2"]), **fault(defect)))
         metrics = read_metrics(out)
         assert metrics["resumed_from_step"] == 5 and [r["step"] for r in metrics["history"]] == list(range(1, 9))
         if defect is None:
             assert losses(metrics) == expected
         else:
-            assert max_relative_difference(losses(metrics)[5:], expected[5:]) > 100 * LOSS_RTOL
+            assert caught(max_relative_difference(losses(metrics)[5:], expected[5:]), PARITY_RTOL)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import EVAL, assert_ok, eval_losses, losses, max_relative_difference, read_metrics, run_single, run_torchrun
+from conftest import (PARITY_RTOL, caught, EVAL, assert_ok, fault, eval_losses, losses, max_relative_difference,
+                      read_metrics, run_single, run_torchrun)
 
 STEPS = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "0", "--no-resume", *EVAL]
 OPTIMIZERS = {"sgd": ["--optimizer", "sgd", "--lr", "1.0"], "adamw": ["--optimizer", "adamw"]}
-LOSS_RTOL = 1e-5
 
 
 def final_params(out_dir) -> dict[str, torch.Tensor]:
@@ -57,9 +57,9 @@ def test_two_ranks_match_one_process(references, tmp_path, optimizer):
     assert "world_size=2 backend=gloo" in result.stdout
 
     assert len(losses(metrics)) == 6
-    assert max_relative_difference(losses(metrics), losses(ref)) <= LOSS_RTOL
+    assert max_relative_difference(losses(metrics), losses(ref)) <= PARITY_RTOL
     # The validation loss after steps 2, 4 and 6: each rank its rows, averaged, as one process on all of them.
-    assert len(eval_losses(metrics)) == 3 and max_relative_difference(eval_losses(metrics), eval_losses(ref)) <= LOSS_RTOL
+    assert len(eval_losses(metrics)) == 3 and max_relative_difference(eval_losses(metrics), eval_losses(ref)) <= PARITY_RTOL
     assert metrics["summary"]["final_eval_loss"] == eval_losses(metrics)[-1]
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
 
@@ -68,15 +68,15 @@ def test_two_ranks_match_one_process(references, tmp_path, optimizer):
         torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("control", ["--skip-grad-allreduce", "--test-break=grad-sum"])
+@pytest.mark.parametrize("control", ["no-grad-allreduce", "grad-sum"])
 def test_negative_controls_are_caught(references, tmp_path, control):
-    """The same SGD run, wrong on purpose: the comparison above must fail, by far."""
+    """The same SGD run, wrong on purpose (HPCML_TEST_FAULT): the comparison above must fail, by far."""
     _, ref = references["sgd"]
-    result = run_torchrun(tmp_path, 2, *STEPS, *OPTIMIZERS["sgd"], control)
+    result = run_torchrun(tmp_path, 2, *STEPS, *OPTIMIZERS["sgd"], **fault(control))
     metrics = read_metrics(tmp_path)
-    assert max_relative_difference(losses(metrics), losses(ref)) > 100 * LOSS_RTOL
-    assert max_relative_difference(eval_losses(metrics), eval_losses(ref)) > 100 * LOSS_RTOL  # the wrong model evaluated
-    if control == "--skip-grad-allreduce":  # the ranks' models drift apart: the run itself fails
+    assert caught(max_relative_difference(losses(metrics), losses(ref)), PARITY_RTOL)
+    assert caught(max_relative_difference(eval_losses(metrics), eval_losses(ref)), PARITY_RTOL)  # the wrong model evaluated
+    if control == "no-grad-allreduce":  # the ranks' models drift apart: the run itself fails
         assert result.returncode != 0 and "parameters differ across ranks" in result.stderr
         assert metrics["param_max_abs_diff_across_ranks"] > 0.0
     else:  # every rank applies the same (summed) gradient: only the comparison with one process sees it

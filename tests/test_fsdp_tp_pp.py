@@ -9,10 +9,10 @@ dimensions and placements (checked by the recipe against the layout, and here fo
 and the parameters of every stage identical on the ranks that hold it.
 
 Negative controls, one per kind of parallelism, each with that parallelism broken on purpose
-(--test-break): the gradient-norm check must flag them by at least 100x its tolerance (measured: 1.2e-1 and
+(HPCML_TEST_FAULT, recipes/harness/faults.py): the gradient-norm check must flag them by at least 100x its tolerance (measured: 1.2e-1 and
 more, 1e4x). Resume: AdamW (it has state to lose), stopped after step 3 and resumed, in the same and in
 another layout (FSDP 2 x TP 2 -> PP 2), matches the uninterrupted run within 1e-5; a resume that drops the
-optimizer state (--test-resume-without-optimizer) must be caught, by 100x.
+optimizer state (resume-fresh-optimizer) must be caught, by 100x.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import (EVAL, REPO, assert_ok, assert_preflight_refuses, eval_losses, grad_norms, losses, max_relative_difference,
-                      read_metrics, run_recipe)
+from conftest import (PARITY_RTOL, caught, EVAL, REPO, assert_ok, assert_preflight_refuses, eval_losses, grad_norms,
+                      losses, max_relative_difference, read_metrics, run_recipe)
 
 RECIPE = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
 MODEL = ["--seq-len", "32", "--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--global-batch", "8"]
 SGD = [*MODEL, "--optimizer", "sgd", "--lr", "0.3", "--max-steps", "4", "--checkpoint-every", "0", "--no-resume", *EVAL]
 ADAMW = [*MODEL, "--optimizer", "adamw", "--lr", "3e-3", "--max-steps", "6", "--checkpoint-every", "0"]
-RTOL = 1e-5
 
 LAYOUTS = {  # name: (ranks, options, wrapper reported from inside)
     "fsdp2": (2, ["--tp", "1", "--dp-shard", "2"], "FSDP2"),
@@ -42,8 +41,8 @@ LAYOUTS = {  # name: (ranks, options, wrapper reported from inside)
 }
 
 
-def train(out_dir, nproc: int, *args: str):
-    return run_recipe(RECIPE, out_dir, nproc, *args)
+def train(out_dir, nproc: int, *args: str, **env: str):
+    return run_recipe(RECIPE, out_dir, nproc, *args, **env)
 
 
 @pytest.fixture(scope="module")
@@ -73,30 +72,30 @@ def test_layout_matches_one_process(name, reference, tmp_path):
     if mesh["dp_shard"] > 1:
         assert all("'dp_shard'" in text for text in placements.values()), placements
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
-    assert max_relative_difference(losses(metrics), losses(reference)) <= RTOL
-    assert max_relative_difference(grad_norms(metrics), grad_norms(reference)) <= RTOL
+    assert max_relative_difference(losses(metrics), losses(reference)) <= PARITY_RTOL
+    assert max_relative_difference(grad_norms(metrics), grad_norms(reference)) <= PARITY_RTOL
     # the validation loss (the pipeline: its schedule's forward-only eval), averaged over DP
-    assert len(eval_losses(metrics)) == 2 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= RTOL
+    assert len(eval_losses(metrics)) == 2 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= PARITY_RTOL
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(reference, tmp_path):
     assert_ok(train(tmp_path, 2, *SGD, "--tp", "1", "--dp-shard", "2", "--activation-checkpointing"))
     metrics = read_metrics(tmp_path)
-    assert max_relative_difference(losses(metrics), losses(reference)) <= RTOL
-    assert max_relative_difference(grad_norms(metrics), grad_norms(reference)) <= RTOL
+    assert max_relative_difference(losses(metrics), losses(reference)) <= PARITY_RTOL
+    assert max_relative_difference(grad_norms(metrics), grad_norms(reference)) <= PARITY_RTOL
 
 
 @pytest.mark.parametrize("control, ranks, options", [
     ("tp-no-reduce", 2, ["--tp", "2"]),
-    ("fsdp-grad-sum", 2, ["--tp", "1", "--dp-shard", "2"]),
-    ("fsdp-no-reduce", 2, ["--tp", "1", "--dp-shard", "2"]),
+    ("grad-sum", 2, ["--tp", "1", "--dp-shard", "2"]),
+    ("no-grad-allreduce", 2, ["--tp", "1", "--dp-shard", "2"]),
     ("pp-loss-unscaled", 2, ["--tp", "1", "--pp", "2", "--micro-batches", "2"]),
 ])
 def test_negative_control_is_caught(control, ranks, options, reference, tmp_path):
     """The same run with one parallelism wrong on purpose: the parity check above must fail, by 100x."""
-    result = train(tmp_path, ranks, *SGD, *options, "--test-break", control)
+    result = train(tmp_path, ranks, *SGD, *options, HPCML_TEST_FAULT=control)
     metrics = read_metrics(tmp_path)
-    assert max_relative_difference(grad_norms(metrics), grad_norms(reference)) > 100 * RTOL
+    assert caught(max_relative_difference(grad_norms(metrics), grad_norms(reference)), PARITY_RTOL)
     if control == "tp-no-reduce":  # the TP ranks' replicated parameters drift apart: the run says so
         assert result.returncode != 0 and "parameters differ across the ranks of a stage" in result.stderr
         assert metrics["param_max_abs_diff_across_ranks"] > 0
@@ -123,13 +122,13 @@ def test_resume_matches_the_uninterrupted_run(first, then, uninterrupted, tmp_pa
     assert "resumed from" in result.stdout and "(step 3, written with" in result.stdout
     metrics = read_metrics(tmp_path)
     assert metrics["resumed_from_step"] == 3 and [r["step"] for r in metrics["history"]] == [1, 2, 3, 4, 5, 6]
-    assert max_relative_difference(losses(metrics), uninterrupted) <= RTOL
+    assert max_relative_difference(losses(metrics), uninterrupted) <= PARITY_RTOL
 
 
 def test_resume_without_the_optimizer_state_is_caught(uninterrupted, tmp_path):
     assert_ok(train(tmp_path, 2, *ADAMW, "--tp", "1", "--dp-shard", "2", "--stop-at-step", "3"))
-    assert_ok(train(tmp_path, 2, *ADAMW, "--tp", "1", "--dp-shard", "2", "--test-resume-without-optimizer"))
-    assert max_relative_difference(losses(read_metrics(tmp_path)), uninterrupted) > 100 * RTOL
+    assert_ok(train(tmp_path, 2, *ADAMW, "--tp", "1", "--dp-shard", "2", HPCML_TEST_FAULT="resume-fresh-optimizer"))
+    assert caught(max_relative_difference(losses(read_metrics(tmp_path)), uninterrupted), PARITY_RTOL)
 
 
 @pytest.mark.parametrize("world, options, message", [
@@ -140,7 +139,14 @@ def test_resume_without_the_optimizer_state_is_caught(uninterrupted, tmp_path):
     (2, ["--tp", "1", "--pp", "2", "--pp-schedule", "Interleaved1F1B"], "goes with --pp-virtual 2 or more"),
     (2, ["--tp", "1", "--dp-shard", "2", "--micro-batches", "4"], "micro-batches are the pipeline's"),
     (2, ["--tp", "1", "--dp-shard", "2", "--global-batch", "7"], "--global-batch 7 is not divisible by DP 2"),
-    (1, ["--tp", "1", "--test-break", "tp-no-reduce"], "needs the parallelism it breaks"),
 ])
 def test_bad_layout_is_refused_before_any_rank_starts(world, options, message, tmp_path):
     assert_preflight_refuses(RECIPE, tmp_path, world, [*MODEL, *options], message)
+
+
+def test_a_control_without_the_parallelism_it_breaks_is_refused(tmp_path):
+    """tp-no-reduce with TP 1 would change nothing, and a control that changes nothing passes its test."""
+    result = train(tmp_path, 1, *MODEL, "--tp", "1", "--max-steps", "1", HPCML_TEST_FAULT="tp-no-reduce")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "[fsdp_tp_pp] error: HPCML_TEST_FAULT=tp-no-reduce changes nothing in this layout: it needs the parallelism it breaks"]

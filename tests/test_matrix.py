@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (EVAL, REPO, TINY, build_images, unlabelled, container_env, eval_losses, job_nodes, job_state, losses,
-                      podman_load_as_user, read_metrics, recipe_env, run, shifter_pull, step_launches,
-                      submit_recipe)
+from conftest import (PARITY_RTOL, EVAL, REPO, TINY, build_images, unlabelled, container_env, eval_losses, job_nodes,
+                      job_state, losses, podman_load_as_user, read_metrics, recipe_env, run, shifter_pull,
+                      step_launches, submit_recipe)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
 MATRIX = REPO / "tests" / "matrix.toml"
@@ -51,7 +51,6 @@ TF_PYTHON = str(REPO / ".venv-tf" / "bin" / "python")
 BARE_PYTHON = {"horovod": TF_PYTHON, "tf_mirrored": TF_PYTHON}
 # The backend each recipe must report (torch.distributed's gloo, unless the recipe is not torch.distributed).
 BACKEND = {"horovod": "horovod-gloo", "tf_mirrored": "MirroredStrategy/ReductionToOneDevice"}
-LOSS_RTOL = 1e-5
 RUNTIMES = ("shifter", "podman-hpc", "podman", "none")
 AS_USER = ("shifter", "podman-hpc")  # always submitted by a normal user, as on Perlmutter
 BY_DEFAULT_AS_USER = (*AS_USER, "none")  # (bare: the site's venvs, make site-env)
@@ -340,7 +339,7 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     assert [record["step"] for record in metrics["history"]] == [1, 2, 3, 4]
 
     reference, reference_eval = reference_losses(recipe, reference_args(recipe, args, world))
-    assert losses(metrics) == pytest.approx(list(reference), rel=LOSS_RTOL)
+    assert losses(metrics) == pytest.approx(list(reference), rel=PARITY_RTOL)
     if cell["data"]:  # it read the data set, and evaluated on its validation split as one process does
         assert metrics["config"]["data"] == args[args.index("--data") + 1] and len(eval_losses(metrics)) == 2
-        assert eval_losses(metrics) == pytest.approx(list(reference_eval), rel=LOSS_RTOL)
+        assert eval_losses(metrics) == pytest.approx(list(reference_eval), rel=PARITY_RTOL)

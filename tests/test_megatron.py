@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (EVAL, REPO, assert_ok, eval_losses, free_port, grad_norms, losses, max_relative_difference, read_metrics,
-                      recipe_env, run)
+from conftest import (PARITY_RTOL, caught, EVAL, REPO, assert_ok, eval_losses, free_port, grad_norms, losses,
+                      max_relative_difference, read_metrics, recipe_env, run)
 
 RECIPE = REPO / "recipes" / "megatron_tp_pp" / "train.py"
 SHIM_ALLOW_LIST = REPO / "tests" / "megatron_shim_sites.txt"
@@ -34,7 +34,6 @@ STEPS = ["--seq-len", "32", "--max-steps", "4", "--checkpoint-every", "0", "--lo
 # megatron-core's distributed optimizer is Adam only: its runs compare the global gradient norm of every
 # step as well, which a gradient of the wrong scale cannot pass either.
 ADAM = [*STEPS, "--optimizer", "adamw", "--lr", "3e-3"]
-LOSS_RTOL = 1e-5
 SEEN_SHIM_SITES: set[str] = set()  # every run of this module adds what the shim rewrote
 COVERING_TESTS: set[str] = set()  # the tests whose runs together use every path the allow-list names
 
@@ -140,7 +139,7 @@ def test_layout_matches_one_process(references, tmp_path, name):
     if "--distributed-optimizer" in args:
         assert metrics["config"]["distributed_optimizer"] is True
     assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4]
-    assert difference(metrics, reference) <= LOSS_RTOL
+    assert difference(metrics, reference) <= PARITY_RTOL
     COVERING_TESTS.add(name)
 
 
@@ -151,31 +150,31 @@ def test_batched_p2p_with_virtual_stages_is_refused_and_caught(reference, tmp_pa
                                  fragment="drop --batch-p2p-comm")
 
     forced = tmp_path / "forced"
-    assert_ok(torchrun(forced, 2, *STEPS, "--pp", "2", "--vp", "2", "--batch-p2p-comm", "--unsafe-batch-p2p-with-vp"))
+    assert_ok(torchrun(forced, 2, *STEPS, "--pp", "2", "--vp", "2", "--batch-p2p-comm", HPCML_TEST_FAULT="batch-p2p-with-vp"))
     metrics = checked_metrics(forced)
     assert metrics["config"]["batch_p2p_comm"] is True and metrics["layout"]["vp"] == 2
-    assert max_relative_difference(losses(metrics), losses(reference)) > 100 * LOSS_RTOL
+    assert caught(max_relative_difference(losses(metrics), losses(reference)), PARITY_RTOL)
     COVERING_TESTS.add("batched-p2p")
 
 
 @pytest.mark.parametrize("nproc, args, control", [
     (2, ["--tp", "2"], "tp-no-reduce"),
-    (2, [], "dp-grad-sum"),
-    (4, ["--tp", "2", "--distributed-optimizer"], "dp-grad-sum"),
-    (2, [], "dp-no-reduce"),
-    (2, ["--distributed-optimizer"], "dp-no-reduce"),
-    (2, ["--pp", "2"], "microbatch-sum"),
+    (2, [], "grad-sum"),
+    (4, ["--tp", "2", "--distributed-optimizer"], "grad-sum"),
+    (2, [], "no-grad-allreduce"),
+    (2, ["--distributed-optimizer"], "no-grad-allreduce"),
+    (2, ["--pp", "2"], "accum-sum"),
 ])
 def test_negative_controls_are_caught(references, tmp_path, nproc, args, control):
     optimizer = "adam" if "--distributed-optimizer" in args else "sgd"
-    result = torchrun(tmp_path, nproc, *(ADAM if optimizer == "adam" else STEPS), *args, "--test-break", control)
+    result = torchrun(tmp_path, nproc, *(ADAM if optimizer == "adam" else STEPS), *args, HPCML_TEST_FAULT=control)
     metrics = read_metrics(tmp_path)
     assert metrics["world_size"] == nproc and metrics["config"]["distributed_optimizer"] == ("--distributed-optimizer" in args)
-    assert difference(metrics, references[optimizer]) > 100 * LOSS_RTOL
+    assert caught(difference(metrics, references[optimizer]), PARITY_RTOL)
     # Replicas drift apart, and the run itself fails: DP never reduced (plain), and TP without its all-reduce
     # (what TP replicates, the norms, sees different inputs on each TP rank). The distributed optimizer
     # gathers every replica's parameters from the shards: equal, and wrong.
-    if control == "tp-no-reduce" or (control == "dp-no-reduce" and "--distributed-optimizer" not in args):
+    if control == "tp-no-reduce" or (control == "no-grad-allreduce" and "--distributed-optimizer" not in args):
         assert result.returncode != 0 and metrics["param_max_abs_diff_across_ranks"] > 0.0
     else:
         assert_ok(result)
@@ -208,12 +207,12 @@ def test_checkpoint_resume_same_and_other_layout(tmp_path):
     assert_ok(resharded)
     metrics = checked_metrics(other_layout)
     assert metrics["layout"]["tp"] == 2 and metrics["layout"]["pp"] == 1 and metrics["resumed_from_step"] == 3
-    assert max_relative_difference(losses(metrics)[3:], expected[3:]) <= LOSS_RTOL
+    assert max_relative_difference(losses(metrics)[3:], expected[3:]) <= PARITY_RTOL
 
     # The control: the same resume without the optimizer state (Adam's moments) must fail the comparison.
-    assert_ok(torchrun(control, 2, *steps, "--pp", "2", "--test-break", "resume-fresh-optimizer"))
+    assert_ok(torchrun(control, 2, *steps, "--pp", "2", HPCML_TEST_FAULT="resume-fresh-optimizer"))
     defective = losses(checked_metrics(control))
-    assert defective[:3] == expected[:3] and max_relative_difference(defective[3:], expected[3:]) > 100 * LOSS_RTOL
+    assert defective[:3] == expected[:3] and caught(max_relative_difference(defective[3:], expected[3:]), PARITY_RTOL)
     COVERING_TESTS.add("resume")
 
 
@@ -260,7 +259,6 @@ def preflight(world_size: int, *args: str, **env):
     (1, ["--lr", "0"], "--lr must be a positive finite number, got 0.0"),
     (1, ["--lr", "inf"], "--lr must be a positive finite number, got inf"),
     (2, ["--optimizer", "sgd", "--distributed-optimizer"], "distributed optimizer is Adam only"),
-    (2, ["--test-break", "dp-grad-sum", "--tp", "2"], "--test-break dp-grad-sum needs DP 2 or more"),
 ])
 def test_bad_layout_is_refused_with_one_line(world_size, args, fragment):
     result = preflight(world_size, *args)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLUSTER_DIR, DDP_RECIPE, unlabelled, REPO, TINY, assert_ok, container_env, copy_checkout, job_nodes, job_state,
-                      losses, read_metrics, recipe_env, run, run_single, sbatch_recipe, shifter_pull,
-                      submit_recipe)
+from conftest import (CLUSTER_DIR, DDP_RECIPE, unlabelled, REPO, TINY, assert_ok, container_env, copy_checkout,
+                      job_nodes, job_state, losses, read_metrics, recipe_env, run, run_single, sbatch_recipe,
+                      shifter_pull, submit_recipe)
 
 pytestmark = pytest.mark.slurm
 

@@ -3,7 +3,7 @@ comparison that shows it can fail.
 
 The runs are deterministic, so a resume that silently retrained from scratch, or lost part of its state,
 could still end near the uninterrupted curve by luck of the task; what the check compares is every step's
-loss after the resume, to the bit, and two resumes with a defect injected (--test-break: the optimizer state
+loss after the resume, to the bit, and two resumes with a defect injected (HPCML_TEST_FAULT: the optimizer state
 not restored; the data read from its first batch again) must fail that comparison by far. (The RNG state is
 checkpointed and restored too, but these recipes draw no random numbers while training: data and weights
 depend on the seed and the step only, so no control can show it.)
@@ -20,12 +20,11 @@ import time
 
 import pytest
 
-from conftest import (DDP_RECIPE, TINY, assert_ok, losses, max_relative_difference, read_metrics, recipe_env, run,
-                      run_single, run_torchrun)
+from conftest import (PARITY_RTOL, caught, DDP_RECIPE, TINY, assert_ok, fault, losses, max_relative_difference,
+                      read_metrics, recipe_env, run, run_single, run_torchrun)
 
 # AdamW (its moments are state a resume must restore) at a learning rate where losing them shows by far.
 ARGS = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2", "--lr", "0.01"]
-LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +34,12 @@ def straight(tmp_path_factory):
     return losses(read_metrics(out))
 
 
-def stop_and_resume(out, *resume_args: str, resume_ranks: int = 2):
+def stop_and_resume(out, *resume_args: str, resume_ranks: int = 2, defect: str | None = None):
     first = run_torchrun(out, 2, *ARGS, "--stop-at-step", "3")
     assert_ok(first)
     assert read_metrics(out)["stopped_early"] is True and read_metrics(out)["last_step"] == 3
-    second = run_torchrun(out, resume_ranks, *ARGS, *resume_args) if resume_ranks > 1 else run_single(out, *ARGS, *resume_args)
+    second = run_torchrun(out, resume_ranks, *ARGS, *resume_args, **fault(defect)) if resume_ranks > 1 else \
+        run_single(out, *ARGS, *resume_args, **fault(defect))
     assert_ok(second)
     assert "resumed from" in second.stdout and "(step 3)" in second.stdout
     resumed = read_metrics(out)
@@ -54,17 +54,17 @@ def test_stop_and_resume_gives_the_same_curve(straight, tmp_path):
 
 @pytest.mark.parametrize("defect", ["resume-fresh-optimizer", "resume-data-from-start"])
 def test_a_resume_that_loses_state_is_caught(straight, tmp_path, defect):
-    resumed = stop_and_resume(tmp_path, "--test-break", defect)
+    resumed = stop_and_resume(tmp_path, defect=defect)
     assert resumed[:3] == straight[:3]  # the steps before the stop are the first run's
     assert resumed != straight
-    assert max_relative_difference(resumed[3:], straight[3:]) > 100 * LOSS_RTOL
+    assert caught(max_relative_difference(resumed[3:], straight[3:]), PARITY_RTOL)
 
 
 def test_a_checkpoint_resumes_at_another_world_size(straight, tmp_path):
     """DDP's checkpoint holds the whole model and optimizer and the data position is the step, so 2 ranks'
     checkpoint continues on 1 process (or more ranks) on the same curve, within float reduction order."""
     resumed = stop_and_resume(tmp_path, resume_ranks=1)
-    assert max_relative_difference(resumed, straight) <= LOSS_RTOL
+    assert max_relative_difference(resumed, straight) <= PARITY_RTOL
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):

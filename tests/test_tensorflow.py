@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EVAL, REPO, eval_losses, free_port, losses, max_relative_difference, read_metrics, recipe_env, run
+from conftest import (PARITY_RTOL, caught, EVAL, REPO, eval_losses, fault, free_port, losses, max_relative_difference,
+                      read_metrics, recipe_env, run)
 
 pytestmark = pytest.mark.tensorflow  # every test here runs in .venv-tf
 
@@ -38,7 +39,6 @@ TORCH_STEPS = ["--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd",
 # Plain SGD at learning rates where a doubled gradient moves the loss by >= 100x the tolerance (measured:
 # the Keras model 220x at 20 vs 40, the GPT 800x at 1 vs 2); per rank, Horovod uses lr x ranks.
 KERAS_SGD_LR, GPT_SGD_LR = 10.0, 0.5
-LOSS_RTOL = 1e-5
 CLIP = "0.053"  # a gradient norm that clips some steps of the Keras model at SGD_KERAS (test_..._schedule_...)
 
 
@@ -54,19 +54,20 @@ def tf_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def single(recipe: Path, out_dir: Path, *args: str):
-    return run([str(TF_PYTHON), str(recipe), "--out-dir", str(out_dir), *args], env=tf_env(), timeout=300)
+# ``env``: e.g. fault("grad-sum"), a negative control (recipes/harness/faults.py).
+def single(recipe: Path, out_dir: Path, *args: str, **env: str):
+    return run([str(TF_PYTHON), str(recipe), "--out-dir", str(out_dir), *args], env=tf_env(**env), timeout=300)
 
 
-def horovodrun(recipe: Path, out_dir: Path, nproc: int, *args: str):
+def horovodrun(recipe: Path, out_dir: Path, nproc: int, *args: str, **env: str):
     cmd = [str(VENV_TF / "bin" / "horovodrun"), "--gloo", "-np", str(nproc), "-H", f"localhost:{nproc}",
            "-p", str(free_port()), "python", str(recipe), "--out-dir", str(out_dir), *args]
-    return run(cmd, env=tf_env(HPCML_EXPECTED_WORLD_SIZE=str(nproc)), timeout=300)
+    return run(cmd, env=tf_env(HPCML_EXPECTED_WORLD_SIZE=str(nproc), **env), timeout=300)
 
 
-def mpiexec(recipe: Path, out_dir: Path, nproc: int, *args: str):
+def mpiexec(recipe: Path, out_dir: Path, nproc: int, *args: str, **env: str):
     cmd = [str(VENV_TF / "bin" / "mpiexec"), "-n", str(nproc), "python", str(recipe), "--out-dir", str(out_dir), *args]
-    return run(cmd, env=tf_env(HPCML_EXPECTED_WORLD_SIZE=str(nproc)), timeout=300)
+    return run(cmd, env=tf_env(HPCML_EXPECTED_WORLD_SIZE=str(nproc), **env), timeout=300)
 
 
 def ok(result) -> None:
@@ -83,8 +84,8 @@ def horovod_reference(tmp_path: Path, recipe: Path, ranks: int, batch_per_rank: 
 
 def assert_same_training(metrics: dict, reference: dict) -> None:
     """The per-step loss and the validation loss (--eval-every, averaged over the ranks) of one process's run."""
-    assert max_relative_difference(losses(metrics), losses(reference)) <= LOSS_RTOL
-    assert len(eval_losses(metrics)) == 2 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= LOSS_RTOL
+    assert max_relative_difference(losses(metrics), losses(reference)) <= PARITY_RTOL
+    assert len(eval_losses(metrics)) == 2 and max_relative_difference(eval_losses(metrics), eval_losses(reference)) <= PARITY_RTOL
 
 
 # ---- Horovod + TensorFlow
@@ -112,15 +113,16 @@ def test_horovod_two_ranks_train_what_one_process_trains(keras_reference, tmp_pa
     assert_same_training(metrics, keras_reference)
 
 
-@pytest.mark.parametrize("launcher, control", [("horovodrun-gloo", "--skip-grad-allreduce"), ("mpiexec", "--skip-grad-allreduce"),
-                                               ("horovodrun-gloo", "--test-break=grad-sum"), ("mpiexec", "--test-break=grad-sum")])
+@pytest.mark.parametrize("launcher, control", [("horovodrun-gloo", "no-grad-allreduce"), ("mpiexec", "no-grad-allreduce"),
+                                               ("horovodrun-gloo", "grad-sum"), ("mpiexec", "grad-sum")])
 def test_horovod_negative_controls_are_caught(keras_reference, tmp_path, launcher, control):
     """The same check fails when the ranks do not average their gradients, or sum them."""
     start = horovodrun if launcher == "horovodrun-gloo" else mpiexec
-    result = start(HOROVOD_TF, tmp_path / "two", 2, *SGD_KERAS, "--batch-per-rank", "8", "--lr", str(KERAS_SGD_LR), control)
+    result = start(HOROVOD_TF, tmp_path / "two", 2, *SGD_KERAS, "--batch-per-rank", "8", "--lr", str(KERAS_SGD_LR),
+                   **fault(control))
     metrics = read_metrics(tmp_path / "two")
-    assert max_relative_difference(losses(metrics), losses(keras_reference)) > 100 * LOSS_RTOL
-    if control == "--skip-grad-allreduce":
+    assert caught(max_relative_difference(losses(metrics), losses(keras_reference)), PARITY_RTOL)
+    if control == "no-grad-allreduce":
         assert result.returncode != 0 and "weights differ across ranks" in result.stdout + result.stderr
         assert metrics["model_wrapper"] == "GradientTape" and metrics["param_max_abs_diff_across_ranks"] > 0
     else:
@@ -143,7 +145,7 @@ def test_horovod_resume_continues_the_same_curve(tmp_path, defect):
     ok(horovodrun(HOROVOD_TF, split, 2, *RESUME, "--stop-at-step", "2"))
     assert read_metrics(split)["last_step"] == 2
     assert (split / "checkpoints" / "step_00000002" / "meta.json").exists()
-    result = horovodrun(HOROVOD_TF, split, 2, *RESUME, *(["--test-break", defect] if defect else []))
+    result = horovodrun(HOROVOD_TF, split, 2, *RESUME, **fault(defect))
     ok(result)
     assert "resumed from" in result.stdout and "(step 2)" in result.stdout
     metrics = read_metrics(split)
@@ -152,7 +154,7 @@ def test_horovod_resume_continues_the_same_curve(tmp_path, defect):
     if defect is None:
         assert resumed == straight
     else:
-        assert resumed[:2] == straight[:2] and max_relative_difference(resumed[2:], straight[2:]) > 100 * LOSS_RTOL
+        assert resumed[:2] == straight[:2] and caught(max_relative_difference(resumed[2:], straight[2:]), PARITY_RTOL)
     assert not list((split / "checkpoints").glob(".step_*.partial"))
 
 
@@ -168,7 +170,7 @@ def test_a_horovod_checkpoint_resumes_at_another_world_size(tmp_path):
     result = single(HOROVOD_TF, split, *STEPS, "--batch-per-rank", "16", "--lr", "2e-3")
     ok(result)
     assert "(step 2)" in result.stdout and read_metrics(split)["world_size"] == 1
-    assert max_relative_difference(losses(read_metrics(split)), losses(read_metrics(whole))) <= LOSS_RTOL
+    assert max_relative_difference(losses(read_metrics(split)), losses(read_metrics(whole))) <= PARITY_RTOL
 
 
 def test_horovod_resume_with_another_global_batch_is_refused(tmp_path):
@@ -183,7 +185,6 @@ def test_horovod_resume_with_another_global_batch_is_refused(tmp_path):
 @pytest.mark.parametrize(("recipe", "args", "message"), [
     (HOROVOD_TF, ["--batch-per-rank", "0"], "--batch-per-rank must be at least 1, got 0"),
     (HOROVOD_TF, ["--lr", "-1"], "--lr must be a positive finite number, got -1.0"),
-    (HOROVOD_TF, ["--skip-grad-allreduce"], "--skip-grad-allreduce only means something with more than one rank"),
     (MIRRORED, ["--global-batch", "15", "--devices", "2"], "--global-batch 15 is not divisible by --devices 2"),
     (MIRRORED, ["--preflight", "2"], "MirroredStrategy runs as one process per node, but 2 were started"),
     (HOROVOD_TORCH, ["--n-embd", "30", "--n-head", "4"], "--n-embd 30 is not divisible by --n-head 4"),
@@ -194,6 +195,23 @@ def test_bad_input_gives_one_line_and_exit_2(tmp_path, recipe, args, message):
     errors = [line for line in result.stderr.splitlines() if "] error: " in line]
     assert len(errors) == 1 and message in errors[0], result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(("recipe", "args", "control"), [
+    (HOROVOD_TF, [], "no-grad-allreduce"), (HOROVOD_TORCH, [], "grad-sum"), (MIRRORED, ["--devices", "1"], "grad-sum")])
+def test_a_negative_control_that_would_change_nothing_is_refused(tmp_path, recipe, args, control):
+    result = single(recipe, tmp_path, *args, **fault(control))
+    errors = [line for line in result.stderr.splitlines() if "] error: " in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert f"HPCML_TEST_FAULT={control} changes nothing in this layout" in errors[0], result.stderr
+
+
+@pytest.mark.parametrize("recipe", [HOROVOD_TF, MIRRORED])
+def test_help_shows_no_test_only_option(recipe):
+    result = run([str(TF_PYTHON), str(recipe), "--help"], env=tf_env(), timeout=120)
+    assert result.returncode == 0 and "--max-steps" in result.stdout, result.stderr
+    for word in ("test-break", "skip-grad", "TESTS ONLY", "wrong on purpose"):
+        assert word not in result.stdout, word
 
 
 def test_horovod_preflight_checks_options_without_starting_horovod(tmp_path):
@@ -225,12 +243,12 @@ def test_mirrored_two_logical_devices_train_what_one_device_trains(mirrored_refe
     assert_same_training(metrics, mirrored_reference)
 
 
-@pytest.mark.parametrize("control", ["--skip-grad-allreduce", "--test-break=grad-sum"])
+@pytest.mark.parametrize("control", ["no-grad-allreduce", "grad-sum"])
 def test_mirrored_negative_controls_are_caught(mirrored_reference, tmp_path, control):
-    result = single(MIRRORED, tmp_path / "two", *MIRRORED_SGD, "--devices", "2", control)
+    result = single(MIRRORED, tmp_path / "two", *MIRRORED_SGD, "--devices", "2", **fault(control))
     metrics = read_metrics(tmp_path / "two")
-    assert max_relative_difference(losses(metrics), losses(mirrored_reference)) > 100 * LOSS_RTOL
-    if control == "--skip-grad-allreduce":
+    assert caught(max_relative_difference(losses(metrics), losses(mirrored_reference)), PARITY_RTOL)
+    if control == "no-grad-allreduce":
         assert result.returncode == 3 and "the replicas' weights differ" in result.stderr
         assert metrics["param_max_abs_diff_across_ranks"] > 0
     else:
@@ -242,14 +260,14 @@ def test_mirrored_negative_controls_are_caught(mirrored_reference, tmp_path, con
 def test_mirrored_resume_continues_the_same_curve(tmp_path, defect):
     ok(single(MIRRORED, tmp_path / "whole", *RESUME))
     ok(single(MIRRORED, tmp_path / "split", *RESUME, "--stop-at-step", "2"))
-    result = single(MIRRORED, tmp_path / "split", *RESUME, *(["--test-break", defect] if defect else []))
+    result = single(MIRRORED, tmp_path / "split", *RESUME, **fault(defect))
     ok(result)
     assert "(step 2)" in result.stdout
     resumed, straight = losses(read_metrics(tmp_path / "split")), losses(read_metrics(tmp_path / "whole"))
     if defect is None:
         assert resumed == straight
     else:
-        assert resumed[:2] == straight[:2] and max_relative_difference(resumed[2:], straight[2:]) > 100 * LOSS_RTOL
+        assert resumed[:2] == straight[:2] and caught(max_relative_difference(resumed[2:], straight[2:]), PARITY_RTOL)
 
 
 # ---- the learning-rate schedule and clipping on the TensorFlow recipes
@@ -277,7 +295,7 @@ def test_the_tensorflow_recipes_follow_the_schedule_and_clip_as_one_process(tmp_
     norms = [[record["grad_norm"] for record in run["history"]] for run in (metrics, reference)]
     # (Horovod: --lr per rank x 2 ranks against 2 x --lr on one process: equal up to rounding)
     assert rates[0] == pytest.approx(rates[1], rel=1e-12) and rates[0][:2] == [KERAS_SGD_LR, 2 * KERAS_SGD_LR]
-    assert max_relative_difference(*norms) <= LOSS_RTOL and sum(norm > float(CLIP) for norm in norms[1]) >= 2
+    assert max_relative_difference(*norms) <= PARITY_RTOL and sum(norm > float(CLIP) for norm in norms[1]) >= 2
 
 
 # ---- Horovod + PyTorch (horovod.torch)
@@ -293,11 +311,11 @@ def test_horovod_torch_two_ranks_train_what_one_process_trains(tmp_path):
     assert_same_training(metrics, reference)
 
     # The negative controls: no averaging (the ranks drift apart, the run fails), and a sum instead of the mean.
-    result = horovodrun(HOROVOD_TORCH, tmp_path / "wrong", 2, *two, "--skip-grad-allreduce")
+    result = horovodrun(HOROVOD_TORCH, tmp_path / "wrong", 2, *two, **fault("no-grad-allreduce"))
     assert result.returncode != 0 and "parameters differ across ranks" in result.stdout + result.stderr
-    assert max_relative_difference(losses(read_metrics(tmp_path / "wrong")), losses(reference)) > 100 * LOSS_RTOL
-    ok(horovodrun(HOROVOD_TORCH, tmp_path / "summed", 2, *two, "--test-break", "grad-sum"))
-    assert max_relative_difference(losses(read_metrics(tmp_path / "summed")), losses(reference)) > 100 * LOSS_RTOL
+    assert caught(max_relative_difference(losses(read_metrics(tmp_path / "wrong")), losses(reference)), PARITY_RTOL)
+    ok(horovodrun(HOROVOD_TORCH, tmp_path / "summed", 2, *two, **fault("grad-sum")))
+    assert caught(max_relative_difference(losses(read_metrics(tmp_path / "summed")), losses(reference)), PARITY_RTOL)
 
 
 def test_horovod_torch_trains_your_module_with_the_schedule_and_clipping_as_one_process(tmp_path):
@@ -317,7 +335,7 @@ def test_horovod_torch_trains_your_module_with_the_schedule_and_clipping_as_one_
     rates = [[record["lr"] for record in run["history"]] for run in (metrics, reference)]
     norms = [[record["grad_norm"] for record in run["history"]] for run in (metrics, reference)]
     assert rates[0] == rates[1] and rates[0][:2] == [0.5, 1.0]
-    assert max_relative_difference(*norms) <= LOSS_RTOL and sum(norm > 0.05 for norm in norms[1]) >= 2
+    assert max_relative_difference(*norms) <= PARITY_RTOL and sum(norm > 0.05 for norm in norms[1]) >= 2
 
 
 # ---- srun without MPI: the rendezvous layout recipes/horovod/horovod_launch.py gives every rank

@@ -36,7 +36,6 @@ the newest); SIGUSR1/SIGTERM checkpoint and stop as in the DDP recipe.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import sys
@@ -58,6 +57,7 @@ import harness  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "accelerate"
+FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "resume-fresh-optimizer")  # tests only: harness/faults.py
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,11 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the world size (slurm/accelerate.sh passes it)")
     harness.add_optimizer_option(p)
     harness.add_schedule_options(p)
-    p.add_argument("--skip-grad-allreduce", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: skip the gradient averaging (the parity check's negative control)")
-    harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged"}, other={
-        "accum-sum": "the micro-batches' gradients summed instead of averaged (needs --grad-accum > 1)",
-        "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments)
 
 
@@ -94,10 +89,6 @@ def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec
     dp = data_parallel_size(args, world_size, model)
     harness.require_divisible("--global-batch", args.global_batch, dp * args.grad_accum,
                               f"{dp} data-parallel ranks x --grad-accum {args.grad_accum} = {dp * args.grad_accum}")
-    if args.skip_grad_allreduce and args.grad_accum != 1:
-        raise harness.ConfigError("--skip-grad-allreduce needs --grad-accum 1")
-    if args.test_break == "accum-sum" and args.grad_accum == 1:
-        raise harness.ConfigError("--test-break accum-sum needs --grad-accum 2 or more")
     if args.launch_config is not None:
         check_launch_config(args.launch_config, world_size, nodes)
     return dp
@@ -223,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             assert isinstance(model, DDP) and accelerator.distributed_type in (DistributedType.MULTI_CPU,
                                                                                 DistributedType.MULTI_GPU)
+    harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=dp, micro_batches=args.grad_accum,
+                          ddp_model=model if isinstance(model, DDP) else None, optimizers=[optimizer])  # (tests only)
 
     start_step, history = 0, []
     if trainer_state:
         accelerator.load_state(str(resume_from))  # weights, optimizer, RNG of every rank
-        if args.test_break == "resume-fresh-optimizer":
-            optimizer.optimizer.state.clear()
         start_step, history = trainer_state["step"], trainer_state["history"]
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
@@ -271,14 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         harness.set_learning_rate(optimizer, lr)
         for micro in range(args.grad_accum):
             rows = slice(micro * micro_rows, (micro + 1) * micro_rows)
-            skip_sync = accelerator.no_sync(model) if args.skip_grad_allreduce else contextlib.nullcontext()
             # accumulate(): no gradient all-reduce until the last micro-batch, and the optimizer steps only then
-            with accelerator.accumulate(model), skip_sync:
+            with accelerator.accumulate(model):
                 loss = model(inputs[rows].to(device), targets[rows].to(device))
                 # backward() divides by --grad-accum (the gradient of the mean loss); the all-reduce averages
-                # over the ranks. The test breaks undo one of the two.
-                scale = {"grad-sum": world_size, "accum-sum": args.grad_accum}.get(args.test_break, 1)
-                accelerator.backward(loss * scale)
+                # over the ranks
+                accelerator.backward(loss)
                 if accelerator.sync_gradients:  # the step's last micro-batch: the gradients are whole
                     norm = float(accelerator.clip_grad_norm_(model.parameters(),
                                                              args.clip_grad if args.clip_grad > 0 else float("inf")))

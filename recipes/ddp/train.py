@@ -39,7 +39,6 @@ Your model instead of the GPT (harness/model.py: the contract): a Hugging Face c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
@@ -52,6 +51,8 @@ import harness  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "ddp"
+# The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
+FAULTS = ("grad-sum", "no-grad-allreduce", "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,11 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU speed; slow to start)")
     harness.add_optimizer_option(p)
     harness.add_schedule_options(p)
-    p.add_argument("--skip-grad-allreduce", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: skip DDP's gradient averaging (the parity check's negative control)")
-    harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged"}, other={
-        "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state",
-        "resume-data-from-start": "a resumed run reads the data from the first batch again"})
     return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True)
 
 
@@ -118,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         assert isinstance(model, DDP) and dist.get_world_size() == env.world_size
     model.train()
     optimizer = harness.torch_optimizer(raw_model.parameters(), args.optimizer, args.lr)
+    harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=env.world_size,
+                          ddp_model=model if env.world_size > 1 else None, optimizers=[optimizer])  # (tests only: their controls)
 
     start_step, history = 0, []
     if checkpoint:
         raw_model.load_state_dict(checkpoint["model"])
-        if args.test_break != "resume-fresh-optimizer":
-            optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
         harness.restore_rng_state(checkpoint["rng"])
         start_step, history = checkpoint["step"], checkpoint["history"]
         if is_rank0:
@@ -155,15 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     # ---- training loop
     data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
-    first = 1 if args.test_break == "resume-data-from-start" else start_step + 1  # the data's step
-    batches = harness.step_batches(data, args, range(first, first + args.max_steps - start_step), args.global_batch,
+    batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
                                    env.rank, env.world_size, device)  # (--data-workers: read ahead)
     for step, (inputs, targets) in zip(run.steps(), batches):
-        skip_sync = model.no_sync() if args.skip_grad_allreduce else contextlib.nullcontext()
-        with skip_sync, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = model(inputs, targets)
-            # DDP averages the gradients across ranks here, overlapped with backward. (grad-sum: a sum.)
-            (loss * env.world_size if args.test_break == "grad-sum" else loss).backward()
+            loss.backward()  # DDP averages the gradients across ranks here, overlapped with backward
         norm = harness.clip_gradients(raw_model.parameters(), args.clip_grad)  # (--clip-grad; the norm for the logs)
         lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
         harness.set_learning_rate(optimizer, lr)

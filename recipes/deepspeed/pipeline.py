@@ -43,28 +43,15 @@ def tied_head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
     return x @ embedding.tok_emb.weight.t()
 
 
-class LastMicroBatchOnly:
-    """TESTS ONLY, wrong on purpose: only the last micro-batch of each step gives gradients (the others report
-    their true loss, detached), as a pipeline that kept only the last micro-batch's loss would train."""
-
-    def __init__(self, micro_batches: int):
-        self.micro_batches, self.calls = micro_batches, 0
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        loss = cross_entropy(logits, targets)
-        return loss if self.calls % self.micro_batches == 0 else loss.detach() + 0.0 * loss
-
-
-def build(cfg: GPTConfig, stages: int, seed: int, partition_method: str, activation_checkpointing: bool,
-          loss_fn=cross_entropy) -> tuple[PipelineModule, tuple[int, float]]:
+def build(cfg: GPTConfig, stages: int, seed: int, partition_method: str,
+          activation_checkpointing: bool) -> tuple[PipelineModule, tuple[int, float]]:
     """The pipeline of ``stages`` stages, this rank's layers holding the one-process GPT's weights; and the
     whole model's (parameters, FLOPs per token)."""
     layers = [TiedLayerSpec("embed", Embedding, cfg, tied_weight_attr="tok_emb.weight"),
               *[LayerSpec(Block, cfg) for _ in range(cfg.n_layer)],
               LayerSpec(FinalNorm, cfg),
               TiedLayerSpec("embed", Embedding, cfg, forward_fn=tied_head, tied_weight_attr="tok_emb.weight")]
-    module = PipelineModule(layers=layers, num_stages=stages, loss_fn=loss_fn, partition_method=partition_method,
+    module = PipelineModule(layers=layers, num_stages=stages, loss_fn=cross_entropy, partition_method=partition_method,
                             activation_checkpoint_interval=1 if activation_checkpointing else 0,
                             # (the embedding takes integer tokens: nothing to recompute there, and DeepSpeed's
                             # checkpoint function wants inputs that require a gradient)

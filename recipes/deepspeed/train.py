@@ -42,7 +42,6 @@ the config's AdamW: the parity tests use it (a wrong gradient scale changes SGD'
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -64,6 +63,8 @@ import pipeline  # noqa: E402  (next to this file)
 from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "deepspeed"
+# The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
+FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "last-microbatch-loss", "resume-fresh-optimizer")
 DEFAULT_DS_CONFIG = Path(__file__).resolve().parent / "ds_config.json"
 
 
@@ -82,14 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partition-method", choices=["type:Block", "parameters", "uniform"], default="type:Block",
                    help="--pp: how DeepSpeed cuts the layers into stages (type:Block: the same blocks per stage)")
     p.add_argument("--activation-checkpointing", action="store_true", help="--pp: recompute each layer in backward")
-    p.add_argument("--skip-grad-allreduce", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: skip the gradient averaging over DP (ZeRO 0/1; a negative control)")
-    p.add_argument("--test-last-microbatch-loss", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: --pp trains on the last micro-batch's loss only (a negative control)")
     harness.add_schedule_options(p)
-    harness.add_test_break_option(p, needs_ranks={"grad-sum": "the ranks' gradients summed instead of averaged (no --pp)"}, other={
-        "accum-sum": "the micro-batches' gradients summed instead of averaged (no --pp; needs --grad-accum > 1)",
-        "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments)
 
 
@@ -194,15 +188,6 @@ def validate(args: argparse.Namespace, world_size: int, on_gpu: bool) -> tuple[d
     harness.validate_run(args, world_size)
     pp = pipeline_stages(args, world_size)
     ds_config = resolve_ds_config(args, world_size, on_gpu, pp)
-    stage, accum = ds_config["zero_optimization"]["stage"], ds_config["gradient_accumulation_steps"]
-    if args.skip_grad_allreduce and (stage > 1 or (accum != 1 and pp == 1) or world_size == pp):
-        raise harness.ConfigError("--skip-grad-allreduce needs data parallelism, --zero-stage 0 or 1 and "
-                                  "(without --pp) --grad-accum 1")
-    if args.test_last_microbatch_loss and (pp == 1 or accum == 1):
-        raise harness.ConfigError("--test-last-microbatch-loss needs --pp 2 or more and --grad-accum 2 or more")
-    if args.test_break in ("grad-sum", "accum-sum") and (pp > 1 or (args.test_break == "accum-sum" and accum == 1)):
-        accum_note = " and --grad-accum 2 or more" if args.test_break == "accum-sum" else ""
-        raise harness.ConfigError(f"--test-break {args.test_break} needs no --pp{accum_note}")
     return ds_config, pp
 
 
@@ -278,9 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     zero3_loading = None
     if pp > 1:
         deepspeed.init_distributed(dist_backend=backend)  # the pipeline's process topology needs DeepSpeed's comm
-        loss_fn = pipeline.LastMicroBatchOnly(accum) if args.test_last_microbatch_loss else pipeline.cross_entropy
-        model, size = pipeline.build(model_cfg, pp, args.seed, args.partition_method, args.activation_checkpointing,
-                                     loss_fn)
+        model, size = pipeline.build(model_cfg, pp, args.seed, args.partition_method, args.activation_checkpointing)
     else:
         torch.manual_seed(args.seed)
         # ZeRO-3 and a Hugging Face model: from_pretrained loads it straight into shards (zero.Init through the
@@ -299,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     assert engine.zero_optimization_stage() == stage and engine.world_size == env.world_size == dist.get_world_size()
     if pp > 1:
         assert engine.num_stages == pp and engine.grid.get_data_parallel_world_size() == dp
-        if args.skip_grad_allreduce:  # TESTS ONLY: the replicas of a stage never average their gradients
-            engine.pipeline_enable_backward_allreduce = False
     dp_rank = engine.grid.get_data_parallel_rank() if pp > 1 else env.rank
+    harness.faults.inject(RECIPE, FAULTS, parameters=model.parameters(), data_parallel=dp, micro_batches=accum, engine=engine,
+                          applies={"grad-sum": dp > 1 and pp == 1, "accum-sum": accum > 1 and pp == 1,  # (tests only)
+                                   "no-grad-allreduce": dp > 1 and stage == 0, "last-microbatch-loss": pp > 1 and accum > 1})
     engine.train()
     if is_rank0:  # the layout the engine formed
         print(f"[{RECIPE}] world_size={engine.world_size} backend={backend} device={device.type} ZeRO-{stage} "
@@ -311,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint_dir = args.out_dir / "checkpoints"
     start_step, history = 0, []
     if trainer_state:
-        engine.load_checkpoint(str(checkpoint_dir), tag=resume_from.name,  # weights, optimizer shards, counters
-                               load_optimizer_states=args.test_break != "resume-fresh-optimizer")
+        engine.load_checkpoint(str(checkpoint_dir), tag=resume_from.name)  # weights, optimizer shards, counters
         start_step, history = trainer_state["step"], trainer_state["history"]
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
@@ -374,13 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         step_loss = torch.zeros((), device=device)
         for micro in range(accum):
             rows = slice(micro * micro_rows, (micro + 1) * micro_rows)
-            skip_sync = engine.no_sync() if args.skip_grad_allreduce else contextlib.nullcontext()
-            with skip_sync:
-                loss = engine(inputs[rows].to(device), targets[rows].to(device))
-                # backward() scales by 1/accum and reduces (ZeRO: reduce-scatters) the mean over the ranks at the
-                # last micro-batch. The test breaks undo one of the two.
-                scale = {"grad-sum": dp, "accum-sum": accum}.get(args.test_break, 1)
-                engine.backward(loss * scale)
+            loss = engine(inputs[rows].to(device), targets[rows].to(device))
+            # backward() scales by 1/accum and reduces (ZeRO: reduce-scatters) the mean over the ranks at the
+            # last micro-batch
+            engine.backward(loss)
             if own_norm and micro == accum - 1:  # the reduced gradients, on the module until the step
                 norm = harness.clip_gradients(engine.module.parameters(), 0)
             engine.step()  # the optimizer steps only at the accumulation boundary

@@ -10,7 +10,7 @@
 - ``fsdp_units`` and ``apply_fsdp``: FSDP2 per block (the GPT's blocks, a Hugging Face model's decoder layers,
   your module's ``fsdp_units``) and then the whole stage (HSDP with DP_replicate > 1).
 
-The TESTS ONLY switches of train.py (``--test-break``) come in here as the wrong versions of these steps.
+The tests' tp-no-reduce control (HPCML_TEST_FAULT, harness/faults.py) comes in here as the wrong row-wise style.
 """
 
 from __future__ import annotations
@@ -125,10 +125,6 @@ def check_layout(args: argparse.Namespace, layout: Layout, spec: harness.ModelSp
     if layout.pp > 1 and layout.micro_batches < layout.pp:
         harness.stderr_line(f"[fsdp_tp_pp] warning: {layout.micro_batches} micro-batches for {layout.pp} stages: most "
                             f"stages wait (the bubble); use --micro-batches {2 * layout.pp} or more")
-    needs = {"tp-no-reduce": layout.tp > 1, "fsdp-grad-sum": layout.fsdp, "fsdp-no-reduce": layout.fsdp,
-             "pp-loss-unscaled": layout.pp > 1 and layout.micro_batches > 1}
-    if args.test_break and not needs[args.test_break]:
-        raise harness.ConfigError(f"--test-break {args.test_break} needs the parallelism it breaks in the layout")
 
 
 def build_mesh(layout: Layout, device: torch.device):
@@ -216,38 +212,31 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
 
 
 class RowwiseWithoutReduce(RowwiseParallel):
-    """TESTS ONLY, wrong on purpose: row-wise parallel whose ranks keep their partial sums (no all-reduce)."""
+    """A test's negative control, wrong on purpose: row-wise parallel whose ranks keep their partial sums."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         return outputs.to_local()
 
 
-def apply_tensor_parallel(stage: nn.Module, tp_mesh, plan: dict[str, str], break_reduce: bool = False) -> None:
+def apply_tensor_parallel(stage: nn.Module, tp_mesh, plan: dict[str, str]) -> None:
     """``plan`` (tensor_parallel_plan) in DTensor: column-wise layers keep their share of the outputs (each
-    rank its heads, its part of the hidden width), row-wise ones all-reduce their partial sums. ``break_reduce``
-    (TESTS ONLY): row-wise without that all-reduce."""
-    row_wise = RowwiseWithoutReduce if break_reduce else RowwiseParallel
+    rank its heads, its part of the hidden width), row-wise ones all-reduce their partial sums. (The tests'
+    tp-no-reduce control, harness/faults.py: row-wise without that all-reduce, chosen here because DTensor
+    binds a layer's reduction when the plan is applied.)"""
+    row_wise = RowwiseWithoutReduce if harness.faults.active("tp-no-reduce") else RowwiseParallel
     parallelize_module(stage, tp_mesh, {name: ColwiseParallel() if style == "colwise" else row_wise()
                                         for name, style in plan.items()})
 
 
-def apply_fsdp(stage: nn.Module, units: list[nn.Module], dp_mesh, param_dtype: torch.dtype | None,
-               test_break: str | None) -> None:
+def apply_fsdp(stage: nn.Module, units: list[nn.Module], dp_mesh, param_dtype: torch.dtype | None) -> None:
     """FSDP2: every one of ``units`` (fsdp_units) its own unit (its parameters gathered just before it runs),
-    then the stage for what is left. ``param_dtype`` bf16 on GPU (gradients reduced in float32). ``test_break``
-    (TESTS ONLY): "fsdp-grad-sum" sums the gradients instead of averaging them; "fsdp-no-reduce" skips the
-    reduce-scatter."""
+    then the stage for what is left. ``param_dtype`` bf16 on GPU (gradients reduced in float32)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
-    units = [fully_shard(unit, mesh=dp_mesh, mp_policy=policy) for unit in units]
-    units.append(fully_shard(stage, mesh=dp_mesh, mp_policy=policy))
     for unit in units:
-        if test_break == "fsdp-grad-sum":  # FSDP's own switch: reduce with SUM and divide by 1
-            unit.set_force_sum_reduction_for_comms(True)
-            unit.set_gradient_divide_factor(1.0)
-        elif test_break == "fsdp-no-reduce":
-            unit.set_requires_gradient_sync(False)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=policy)
 
 
 def grad_norm(stages: list[nn.Module], pp_group) -> float:

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -58,6 +59,8 @@ import parallelize  # noqa: E402  (next to this file)
 from gpt import GPT, GPTConfig, cross_entropy  # noqa: E402
 
 RECIPE = "fsdp_tp_pp"
+# The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
+FAULTS = ("tp-no-reduce", "grad-sum", "no-grad-allreduce", "pp-loss-unscaled", "resume-fresh-optimizer")
 SCHEDULE = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B, "GPipe": ScheduleGPipe}
 DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: reshardable
 
@@ -79,10 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU speed; slow to start)")
-    p.add_argument("--test-break", choices=["tp-no-reduce", "fsdp-grad-sum", "fsdp-no-reduce", "pp-loss-unscaled"],
-                   default=None, help="TESTS ONLY, wrong on purpose: break one parallelism (the negative controls)")
-    p.add_argument("--test-resume-without-optimizer", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: resume the weights but a fresh optimizer (the resume control)")
     harness.add_schedule_options(p)
     return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True)
 
@@ -102,7 +101,7 @@ def state_dicts(stages: list, optimizers: list) -> list[dict]:
             for stage, optimizer in zip(stages, optimizers)]
 
 
-def load_dcp(path: Path, stages: list, optimizers: list, with_optimizer: bool) -> None:
+def load_dcp(path: Path, stages: list, optimizers: list) -> None:
     for optimizer in optimizers:  # AdamW has no state before its first step: make room for the saved one
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -115,18 +114,15 @@ def load_dcp(path: Path, stages: list, optimizers: list, with_optimizer: bool) -
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
     per_stage = state_dicts(stages, optimizers)
-    wanted = ("model.", "optim.") if with_optimizer else ("model.",)
-    # (DCP loads into these tensors in place, and they are the optimizer's own state tensors: leaving the
-    # optimizer out means leaving its keys out here)
-    merged = {"rng": torch.get_rng_state()} | {k: v for d in per_stage for k, v in d.items() if k.startswith(wanted)}
+    # (DCP loads into these tensors in place, and they are the optimizer's own state tensors)
+    merged = {"rng": torch.get_rng_state()} | {k: v for d in per_stage for k, v in d.items()}
     with one_process_dcp():
         dcp.load(merged, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     torch.set_rng_state(merged["rng"])
     for stage, optimizer, own in zip(stages, optimizers, per_stage):
         set_model_state_dict(stage, {k[6:]: merged[k] for k in own if k.startswith("model.")})
-        if with_optimizer:
-            set_optimizer_state_dict(stage, optimizer, {k[6:]: merged[k] for k in own if k.startswith("optim.")},
-                                     options=DCP_OPTIONS)
+        set_optimizer_state_dict(stage, optimizer, {k[6:]: merged[k] for k in own if k.startswith("optim.")},
+                                 options=DCP_OPTIONS)
 
 
 @contextlib.contextmanager
@@ -186,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = [parallelize.tensor_parallel_plan(stage) if layout.tp > 1 else {} for stage in stages]
     for stage, plan in zip(stages, plans):
         if layout.tp > 1:
-            parallelize.apply_tensor_parallel(stage, mesh["tp"], plan, break_reduce=args.test_break == "tp-no-reduce")
+            parallelize.apply_tensor_parallel(stage, mesh["tp"], plan)
         units = parallelize.fsdp_units(stage)  # the blocks (decoder layers)
         for block in units:
             if args.activation_checkpointing:
@@ -197,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 block.compile()
         if layout.fsdp:
             dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-            parallelize.apply_fsdp(stage, units, dp_mesh, dtype if dtype != torch.float32 else None, args.test_break)
+            parallelize.apply_fsdp(stage, units, dp_mesh, dtype if dtype != torch.float32 else None)
     # Frameworks fall back to no parallelism silently: check every parameter's DTensor mesh and placements.
     placements = parallelize.placements(stages, layout, plans)
     if mesh is not None:
@@ -217,13 +213,17 @@ def main(argv: list[str] | None = None) -> int:
                     for (index, _), stage in zip(local, stages)]
         schedule = SCHEDULE[args.pp_schedule](
             pipeline if layout.virtual > 1 else pipeline[0], n_microbatches=layout.micro_batches,
-            loss_fn=cross_entropy, scale_grads=args.test_break != "pp-loss-unscaled")  # scale: the micro-batches' mean
+            loss_fn=cross_entropy, scale_grads=True)  # scale: the micro-batches' mean
     has_first, has_last = (stages[0].is_first, stages[-1].is_last) if is_gpt else (True, True)
+    harness.faults.inject(RECIPE, FAULTS, optimizers=optimizers, schedule=schedule,  # (tests only: their controls)
+                          fsdp_modules=[m for stage in stages for m in stage.modules() if isinstance(m, FSDPModule)],
+                          applies={"tp-no-reduce": layout.tp > 1, "grad-sum": layout.fsdp, "no-grad-allreduce": layout.fsdp,
+                                   "pp-loss-unscaled": layout.pp > 1 and layout.micro_batches > 1})
 
     checkpoint_dir = args.out_dir / "checkpoints"
     start_step, history = 0, []
     if trainer_state:
-        load_dcp(resume_from, stages, optimizers, with_optimizer=not args.test_resume_without_optimizer)
+        load_dcp(resume_from, stages, optimizers)
         start_step, history = trainer_state["step"], trainer_state["history"]
         if env.rank == 0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step}, written with "

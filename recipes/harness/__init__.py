@@ -29,11 +29,12 @@ from .checkpoint import (
 )
 from .cli import (
     add_data_options, add_model_options, add_optimizer_option, add_run_options, add_schedule_options,
-    add_test_break_option, schedule_identity,
+    schedule_identity,
     main_entry, new_parser,
     parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible,
     require_positive, validate_run,
 )
+from . import faults
 from .errors import ConfigError, stderr_line
 from .data import (numpy_batches, numpy_token_batch, step_batches, SyntheticTokens, tf_step_batches, TokenFileData,
                    training_data, validation_data)
@@ -50,8 +51,9 @@ from .run import clip_gradients, learning_rate, set_learning_rate, torch_optimiz
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
 __all__ = [
+    "faults",
     "add_data_options", "add_model_options", "add_optimizer_option", "add_run_options", "add_schedule_options",
-    "add_test_break_option", "clip_gradients", "learning_rate", "schedule_identity", "set_learning_rate",
+    "clip_gradients", "learning_rate", "schedule_identity", "set_learning_rate",
     "all_hostnames", "atomic_write_bytes",
     "check_expected_world_size", "check_export_option", "check_model_vocabulary", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV",
     "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV", "export_trained_model",

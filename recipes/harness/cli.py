@@ -118,16 +118,6 @@ def schedule_identity(args: argparse.Namespace) -> dict:
             **({"schedule_end_step": args.max_steps} if args.lr_schedule == "cosine" else {})}
 
 
-def add_test_break_option(p: argparse.ArgumentParser, needs_ranks: dict[str, str], other: dict[str, str] | None = None) -> None:
-    """--test-break NAME: a step of the recipe done wrong on purpose, so that a test can show that its check
-    catches it (a negative control). Each dict: name -> what goes wrong; ``needs_ranks``: the breaks of the
-    parallelism itself (refused for one process, where they would change nothing or mean nothing)."""
-    breaks = {**needs_ranks, **(other or {})}
-    p.add_argument("--test-break", choices=list(breaks), default=None,
-                   help="TESTS ONLY, wrong on purpose: " + "; ".join(f"{name}: {what}" for name, what in breaks.items()))
-    p.set_defaults(test_breaks_needing_ranks=tuple(needs_ranks))
-
-
 def add_data_options(p: argparse.ArgumentParser, user_datasets: bool = False) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default="synthetic", metavar="PREFIX",
@@ -217,9 +207,9 @@ def require_divisible(what: str, value: int, divisor: int, by: str, option: str 
 
 
 def validate_run(args: argparse.Namespace, world_size: int | None, framework: str = "torch") -> None:
-    """The shared options (those parse_recipe_args added) and a recipe's --skip-grad-allreduce, for
-    ``world_size`` ranks (None: not known yet), before any rank starts. ``framework`` "tensorflow": its
-    TensorBoard writer (tf.summary) needs no package of its own."""
+    """The shared options (those parse_recipe_args added), for ``world_size`` ranks (None: not known yet),
+    before any rank starts. ``framework`` "tensorflow": its TensorBoard writer (tf.summary) needs no package
+    of its own."""
     require_at_least_one(args, "max_steps", "log_every", "seq_len", "vocab_size")
     if world_size is not None and world_size < 1:  # --preflight 0, or a launcher that says so
         raise ConfigError(f"the world size must be at least 1 rank, got {world_size}")
@@ -227,10 +217,6 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
         require_at_least_one(args, "n_layer", "n_head", "n_embd")
         if args.n_embd % args.n_head:
             raise ConfigError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
-    if getattr(args, "skip_grad_allreduce", False) and world_size == 1:
-        raise ConfigError("--skip-grad-allreduce only means something with more than one rank")
-    if getattr(args, "test_break", None) in getattr(args, "test_breaks_needing_ranks", ()) and world_size == 1:
-        raise ConfigError(f"--test-break {args.test_break} only means something with more than one rank")
     check_schedule_options(args)
     if hasattr(args, "timeout_s"):
         require_positive(args, "timeout_s")

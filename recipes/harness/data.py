@@ -32,6 +32,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import faults
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -359,6 +360,8 @@ def step_batches(data: GlobalBatches, args, steps: range, global_batch: int, ran
     not wait (non_blocking). The batches are those of data.local_batch: the same with or without workers."""
     import torch
 
+    if faults.active("resume-data-from-start"):  # (a negative control: a resume that forgets where it was)
+        steps = range(1, 1 + len(steps))
     rows = _StepRows(data, steps, global_batch, rank, world_size)
     workers = data_workers(args, device)
     if workers == 0:

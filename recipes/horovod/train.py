@@ -39,6 +39,7 @@ import horovod_launch  # noqa: E402  (recipes/horovod/, next to this file)
 import keras_model  # noqa: E402  (sets TensorFlow's environment; loads TensorFlow only when used)
 
 RECIPE = "horovod"
+FAULTS = ("grad-sum", "no-grad-allreduce", "resume-fresh-optimizer")  # tests only: harness/faults.py
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,10 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-sync-every", type=int, default=0,
                    help="compare the weights of all ranks every N steps (0: only at the end); costs two all-reduces")
     harness.add_optimizer_option(p)
-    p.add_argument("--skip-grad-allreduce", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: a plain GradientTape, no averaging (the negative control)")
-    harness.add_test_break_option(p, needs_ranks={"grad-sum": "Horovod sums the ranks' gradients instead of averaging them"},
-                                  other={"resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     keras_model.add_model_options(p)
     harness.add_schedule_options(p)  # --lr-schedule, --warmup-steps, --clip-grad (of the averaged gradients)
     return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False)
@@ -117,10 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = keras_model.optimizer(args.optimizer, lr)
     optimizer.build(model.trainable_variables)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    # A test's negative control (HPCML_TEST_FAULT): TensorFlow has no gradient or load hooks, so the fault enters
+    # where it applies: the tape's reduction, whether there is one, the restore.
+    fault = harness.faults.inject(RECIPE, FAULTS, data_parallel=world_size)
     latest, meta = harness.resume_dir(args, must_match, state_file="meta.json")
     start_step, history = 0, []
     if latest is not None:
-        keras_model.restore(checkpoint, model, str(latest / "ckpt"), weights_only=args.test_break == "resume-fresh-optimizer")
+        keras_model.restore(checkpoint, model, str(latest / "ckpt"), weights_only=fault == "resume-fresh-optimizer")
         start_step, history = meta["step"], meta["history"]
         if is_rank0:
             print(f"[{RECIPE}] resumed from {latest} (step {start_step})", flush=True)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     hvd.broadcast_variables(optimizer.variables(), root_rank=0)
 
     env = harness.DistEnv(rank, local_rank, world_size, "", 0, launcher)
-    averaged = world_size > 1 and not args.skip_grad_allreduce
+    averaged = world_size > 1 and fault != "no-grad-allreduce"
     versions = {"tensorflow_version": tf.__version__, "horovod_version": horovod.__version__}
     run_info = {**harness.describe_run(env, f"horovod-{controller}", gpu_name or "cpu",
                                        "DistributedGradientTape" if averaged else "GradientTape", versions, dp=world_size),
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             logits = model(inputs, training=True)
             loss = tf.reduce_mean(keras_model.loss_per_token(targets, logits))
         if averaged:  # gradients averaged over all ranks (grad-sum: summed)
-            tape = hvd.DistributedGradientTape(tape, op=hvd.Sum if args.test_break == "grad-sum" else hvd.Average)
+            tape = hvd.DistributedGradientTape(tape, op=hvd.Sum if fault == "grad-sum" else hvd.Average)
         grads = tape.gradient(loss, model.trainable_variables)
         norm = tf.linalg.global_norm(grads)  # of the averaged gradients: the same on every rank
         if args.clip_grad > 0:

@@ -34,6 +34,7 @@ import horovod_launch  # noqa: E402  (recipes/horovod/, next to this file)
 from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "horovod_torch"
+FAULTS = ("grad-sum", "no-grad-allreduce")  # tests only: harness/faults.py
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,9 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     horovod_launch.add_batch_options(p, lr=3e-3, optimizer="AdamW")
     harness.add_optimizer_option(p)
     harness.add_schedule_options(p)
-    p.add_argument("--skip-grad-allreduce", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: the plain optimizer, no averaging (the negative control)")
-    harness.add_test_break_option(p, needs_ranks={"grad-sum": "Horovod sums the ranks' gradients instead of averaging them"})
     return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, collective_timeout=False)
 
 
@@ -101,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
     wrapper = "none"
-    if world_size > 1 and not args.skip_grad_allreduce:
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             op=hvd.Sum if args.test_break == "grad-sum" else hvd.Average)
+    fault = harness.faults.inject(RECIPE, FAULTS, parameters=model.parameters(), data_parallel=world_size)  # (tests only)
+    # (Horovod's optimizer has no hook to switch its all-reduce off: the no-grad-allreduce control leaves it unwrapped)
+    if world_size > 1 and fault != "no-grad-allreduce":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
         wrapper = "DistributedOptimizer"  # (the wrapped optimizer keeps its class name, AdamW)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

@@ -46,9 +46,6 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
             f"launch a multiple of {tp * pp} ranks, or change --tp/--pp"
         )
     dp = world_size // (tp * pp)
-    needs = {"tp-no-reduce": (tp, "--tp 2 or more"), "dp-grad-sum": (dp, "DP 2 or more"), "dp-no-reduce": (dp, "DP 2 or more")}
-    if args.test_break in needs and needs[args.test_break][0] < 2:
-        raise harness.ConfigError(f"--test-break {args.test_break} needs {needs[args.test_break][1]}")
     if args.num_heads % tp:
         raise harness.ConfigError(f"--num-heads {args.num_heads} is not divisible by --tp {tp}: each TP rank takes whole heads")
     if args.hidden_size % tp:
@@ -61,7 +58,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
     if args.vp is not None:
         if args.vp < 2 or pp < 2:
             raise harness.ConfigError(f"--vp {args.vp} needs --vp >= 2 and --pp >= 2 (leave --vp out for the plain schedule)")
-        if args.batch_p2p_comm and pp == 2 and not args.unsafe_batch_p2p_with_vp:
+        if args.batch_p2p_comm and pp == 2 and not harness.faults.active("batch-p2p-with-vp"):  # (a test's control)
             raise harness.ConfigError(
                 "--batch-p2p-comm with --vp at --pp 2 trains on swapped activations (the previous and next stage "
                 "are the same rank and the batched messages cross; a known Megatron-LM problem): drop --batch-p2p-comm"

@@ -50,6 +50,8 @@ from layout import Layout, have_transformer_engine, model_settings, validate  # 
 import megatron_data  # noqa: E402  (next to this file)
 
 RECIPE = "megatron_tp_pp"
+# The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
+FAULTS = ("tp-no-reduce", "grad-sum", "no-grad-allreduce", "accum-sum", "resume-fresh-optimizer", "batch-p2p-with-vp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,14 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="for the TP placement check (default: from Slurm or torchrun variables)")
     harness.add_optimizer_option(p)
-    p.add_argument("--unsafe-batch-p2p-with-vp", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: allow --batch-p2p-comm with --vp at --pp 2 (the negative control)")
-    harness.add_test_break_option(p, needs_ranks={
-        "tp-no-reduce": "the tensor-parallel layers' output all-reduce left out (needs --tp > 1)",
-        "dp-grad-sum": "the DP replicas' gradients summed instead of averaged (needs DP > 1)",
-        "dp-no-reduce": "the DP replicas' gradients never reduced (needs DP > 1)",
-    }, other={"microbatch-sum": "the micro-batches' gradients summed instead of averaged",
-              "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     harness.add_schedule_options(p, clip_grad=False)  # --lr-schedule, --warmup-steps (the rate set every step)
     return harness.parse_recipe_args(p, RECIPE, argv)
 
@@ -157,9 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
-
-    if args.test_break == "tp-no-reduce":  # TESTS ONLY: each TP rank keeps its partial sum
-        tensor_parallel.layers.reduce_from_tensor_model_parallel_region = lambda tensor, group=None: tensor
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
@@ -235,9 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     config.finalize_model_grads_func = finalize_model_grads
     if len(model_chunks) == 1:
         config.no_sync_func = config.no_sync_func[0]
-    if args.test_break == "dp-no-reduce":  # TESTS ONLY: the DP all-reduce (or reduce-scatter) never happens
-        for chunk in model_chunks:
-            chunk.finish_grad_sync = lambda *_, **__: None
     # --optimizer adamw: megatron's Adam with no weight decay (AdamW); sgd: plain SGD, no momentum.
     optimizer_choice = (dict(optimizer="adam", adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8) if args.optimizer == "adamw"
                         else dict(optimizer="sgd", sgd_momentum=0.0))
@@ -259,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
         return state
 
+    harness.faults.inject(RECIPE, FAULTS, parameters=[p for chunk in model_chunks for p in chunk.parameters()],
+                          data_parallel=layout.dp, micro_batches=layout.num_microbatches, megatron_chunks=model_chunks,
+                          optimizers=[optimizer], applies={"tp-no-reduce": layout.tp > 1})  # (tests only: their controls)
     start_step, history = 0, []
     if trainer_state:
         try:  # megatron reshards on load: a checkpoint of another TP/PP/DP layout loads too
@@ -271,12 +262,6 @@ def main(argv: list[str] | None = None) -> int:
             chunk.module.load_state_dict(loaded[f"model{i}"])
         if "optimizer" in loaded:
             optimizer.load_state_dict(loaded["optimizer"])
-        if args.test_break == "resume-fresh-optimizer":  # TESTS ONLY: Adam's moments and step count dropped
-            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-                for state in inner.optimizer.state.values():
-                    for value in state.values():
-                        if torch.is_tensor(value):
-                            value.zero_()
         start_step, history = trainer_state["step"], trainer_state["history"]
         if env.rank == 0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
@@ -317,10 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
             # The schedule divides the returned loss in place by the micro-batch count: report a copy.
-            # (dp-grad-sum: the gradients, averaged over DP by megatron's DDP, become a sum; microbatch-sum:
-            # the schedule's division by the micro-batch count is undone.)
-            scale = {"dp-grad-sum": layout.dp, "microbatch-sum": layout.num_microbatches}.get(args.test_break, 1)
-            return loss * scale, {"loss": loss.detach().clone()}
+            return loss, {"loss": loss.detach().clone()}
 
         return output, loss_func
 

@@ -34,6 +34,7 @@ import harness  # noqa: E402
 import keras_model  # noqa: E402  (sets TensorFlow's environment; loads TensorFlow only when used)
 
 RECIPE = "tf_mirrored"
+FAULTS = ("grad-sum", "no-grad-allreduce", "resume-fresh-optimizer")  # tests only: harness/faults.py
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,11 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step, summed over all replicas")
     p.add_argument("--lr", type=float, default=2e-3)
     harness.add_optimizer_option(p)
-    p.add_argument("--skip-grad-allreduce", action="store_true",
-                   help="TESTS ONLY, wrong on purpose: every replica applies its own gradients (the negative control)")
-    harness.add_test_break_option(p, needs_ranks={}, other={
-        "grad-sum": "each replica's loss averaged over its own rows, not the global batch: the gradients are summed",
-        "resume-fresh-optimizer": "a resume restores the weights but not the optimizer state"})
     keras_model.add_model_options(p)
     harness.add_schedule_options(p)  # --lr-schedule, --warmup-steps, --clip-grad (of the all-reduced gradients)
     return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False)
@@ -62,8 +58,6 @@ def validate(args: argparse.Namespace, processes: int) -> None:
     harness.validate_run(args, None, framework="tensorflow")  # (its replicas are known once TensorFlow runs)
     harness.require_at_least_one(args, "global_batch", "d_model", "d_hidden")
     harness.require_positive(args, "lr")
-    if args.test_break == "grad-sum" and args.devices == 1:
-        raise harness.ConfigError("--test-break grad-sum only means something with more than one replica")
     if args.devices is not None:
         harness.require_at_least_one(args, "devices")
         if args.global_batch % args.devices:
@@ -124,12 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = keras_model.optimizer(args.optimizer, args.lr)
         optimizer.build(model.trainable_variables)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    # A test's negative control (HPCML_TEST_FAULT): TensorFlow has no gradient or load hooks, so the fault enters
+    # where it applies: the replica's loss, its all-reduce, the restore.
+    fault = harness.faults.inject(RECIPE, FAULTS, data_parallel=replicas)
     must_match = {"model": asdict(cfg), "global_batch": args.global_batch, "optimizer_name": args.optimizer,
                   **harness.schedule_identity(args)}
     latest, meta = harness.resume_dir(args, must_match, state_file="meta.json")
     start_step, history = 0, []
     if latest is not None:
-        keras_model.restore(checkpoint, model, str(latest / "ckpt"), weights_only=args.test_break == "resume-fresh-optimizer")
+        keras_model.restore(checkpoint, model, str(latest / "ckpt"), weights_only=fault == "resume-fresh-optimizer")
         start_step, history = meta["step"], meta["history"]
         print(f"[{RECIPE}] resumed from {latest} (step {start_step})", flush=True)
 
@@ -148,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             # Summed over this replica's rows, divided by the global batch: the replicas' sum is the mean.
             per_row = tf.reduce_mean(keras_model.loss_per_token(targets, logits), axis=1)
             loss = tf.nn.compute_average_loss(per_row, global_batch_size=args.global_batch)
-            # grad-sum (TESTS ONLY): the replica's own mean, the classic mistake; the replicas' sum is then N x.
-            trained = tf.reduce_mean(per_row) if args.test_break == "grad-sum" else loss
+            # grad-sum (a test's control): the replica's own mean, the classic mistake; the replicas' sum is N x.
+            trained = tf.reduce_mean(per_row) if fault == "grad-sum" else loss
         grads = tape.gradient(trained, model.trainable_variables)
         # The all-reduce, here rather than inside apply_gradients, so that the norm (and --clip-grad) is the one
-        # of the summed gradients, the same on every replica. (--skip-grad-allreduce: each replica its own.)
-        if not args.skip_grad_allreduce:
+        # of the summed gradients, the same on every replica. (no-grad-allreduce: each replica its own.)
+        if fault != "no-grad-allreduce":
             grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
         norm = tf.linalg.global_norm(grads)
         if args.clip_grad > 0:
