@@ -393,14 +393,14 @@ def test_the_mpi_controller_needs_a_horovod_built_against_the_mpich_abi(tmp_path
 def test_srun_with_mpi_but_no_pmi_is_refused_not_trained_as_separate_worlds(slurm_cluster, tmp_path):
     """The silent fallback this catches: HOROVOD_CONTROLLER=mpi under srun without a PMI plugin gives every
     task an MPI world of its own; each would train alone and exit 0. The ranks refuse instead (exit 2)."""
-    from conftest import sbatch_recipe
+    from conftest import sbatch_recipe, unlabelled
 
     code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "horovod", "-N", "2", "--ntasks-per-node", "1",
                                      recipe_args=STEPS, PYTHON=str(TF_PYTHON), HOROVOD_CONTROLLER="mpi",
                                      SLURM_MPI_TYPE="none")
     assert code != 0 and state == "FAILED", log
-    errors = {line for line in log.splitlines() if line.startswith("[horovod] error:")}
+    errors = {line for line in unlabelled(log).splitlines() if line.startswith("[horovod] error:")}
     assert errors == {"[horovod] error: this process joined a world of 1 rank(s), but the job launched 2 "
                       "(HPCML_EXPECTED_WORLD_SIZE): the launcher started the ranks as independent trainings; "
                       "check the launch command (torchrun/accelerate/deepspeed options; srun --mpi for MPI) against the allocation"}, log
-    assert not re.search(r"^\[horovod\] step ", log, re.M) and "Traceback" not in log, log
+    assert not re.search(r"^\[horovod\] step ", unlabelled(log), re.M) and "Traceback" not in log, log
