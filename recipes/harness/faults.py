@@ -20,6 +20,8 @@ fault then enters through the framework's own hooks:
     batch-p2p-with-vp      Megatron's batched p2p with virtual stages at PP 2 let through, which the recipe
                            refuses (it trains on swapped activations; recipes/megatron_tp_pp/layout.py)
 
+Where a framework has no such hook (TensorFlow; Horovod's torch optimizer; DTensor, which binds a row-wise
+layer's reduction when its plan is applied), the recipe reads the fault where it applies, and says so.
 A fault a recipe does not support, or one that would change nothing in the run's layout (a gradient sum on one
 rank), is a ConfigError: a control that silently does nothing would "pass" its test.
 """
@@ -48,8 +50,8 @@ def requested() -> str | None:
 
 
 def check(recipe: str, supported: Iterable[str], applies: dict[str, bool] | None = None) -> None:
-    """Refuse a fault ``recipe`` cannot inject, or one ``applies`` says changes nothing in this layout (the
-    recipe's preflight and every rank call it, through ``inject`` or directly)."""
+    """Refuse a fault ``recipe`` cannot inject, or one ``applies`` says changes nothing in this layout (every
+    rank, through ``inject``)."""
     fault = requested()
     if fault is None:
         return
