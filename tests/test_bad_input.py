@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import DDP_RECIPE, REPO, TINY, free_port, recipe_env, run
+from support.runs import DDP_RECIPE, free_port, recipe_env, REPO, run, TINY
 
 
 def run_as_rank0_of(world_size: int, *args: str, **extra_env: str):

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, container_env, image_fixture, run, sbatch_recipe
+from support.cluster import image_fixture, sbatch_recipe
+from support.runs import container_env, REPO, run
 
 pytestmark = pytest.mark.containers
 # The images the quick benchmark runs in, built before its timer starts (bench/run.py builds them too).

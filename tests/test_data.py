@@ -5,7 +5,7 @@ with --data, two DDP ranks match one process on it, a resume continues mid-epoch
 broken token files are refused with one line before any rank starts. (Every recipe trains on a token
 file in tests/test_warnings.py's one-process runs.)
 
-Tolerance: as tests/test_ddp_parity.py (relative difference of the per-step loss <= 1e-5, plain SGD), with
+Tolerance: as tests/parity.toml (relative difference of the per-step loss <= 1e-5, plain SGD), with
 its negative control (gradients summed over the ranks) caught by more than 100x.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (PARITY_RTOL, REPO, assert_ok, caught, eval_losses, fault, free_port, losses,
-                      max_relative_difference, read_metrics, recipe_env, run, run_single, run_torchrun)
+from support.curves import caught, eval_losses, losses, max_relative_difference, PARITY_RTOL, read_metrics
+from support.runs import assert_ok, fault, free_port, recipe_env, REPO, run, run_single, run_torchrun
 
 PREPARE = REPO / "recipes" / "data" / "prepare.py"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

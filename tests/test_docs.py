@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from support.runs import REPO
 
 DOCS = REPO / "docs"
 MKDOCS = REPO / ".venv-docs" / "bin" / "mkdocs"

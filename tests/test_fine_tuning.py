@@ -1,13 +1,7 @@
-"""Fine-tuning a Hugging Face model, sharded: FSDP2 and FSDP2 x TP (the model's own base_model_tp_plan) on
-recipes/fsdp_tp_pp, LoRA (peft) on DDP and FSDP2, the learning-rate schedule and gradient clipping, and
-recipes/export_hf.py, which turns any recipe's checkpoint of such a run into a Hugging Face directory.
-
-Nothing is downloaded: the tiny Llama (4 heads, 2 key/value heads) and the HDF5 fields come from the
-fixtures in tests/conftest.py. Parity as everywhere here: the same global batch, plain SGD, every step's
-loss, validation loss and gradient norm within 1e-5 relative of one process, the wrapper and the parameters'
-placements checked from inside the run, and a negative control per layout caught by more than 100x. Clipping
-is on (--clip-grad below the gradient norm) in the sharded runs: a norm taken over one rank's shards instead
-of the whole model would clip differently and fail the comparison.
+"""Fine-tuning beyond parity (a Hugging Face model sharded by FSDP2 and FSDP2 x TP, LoRA on DDP and FSDP2, your
+module and data on FSDP2, each against one process with its export and its control: tests/parity.toml): the
+learning-rate schedule and gradient clipping, stopped and resumed exactly on every PyTorch recipe, and what
+cannot work refused in one line before any rank trains (the export command's refusals too).
 """
 
 from __future__ import annotations
@@ -16,12 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import (PARITY_RTOL, caught, DDP_RECIPE, EVAL, REPO, assert_ok, eval_losses, grad_norms, losses,
-                      max_relative_difference, read_metrics, recipe_env, run, run_recipe)
-from test_models import model_args
-from test_warnings import warnings_in
+from support.curves import caught, losses, max_relative_difference, PARITY_RTOL, read_metrics
+from support.runs import assert_ok, DDP_RECIPE, recipe_env, REPO, run, run_recipe
 
 sys.path.insert(0, str(REPO / "recipes"))
 import harness  # noqa: E402
@@ -29,142 +20,10 @@ import harness  # noqa: E402
 FSDP_RECIPE = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
 DEEPSPEED_RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 EXPORT = REPO / "recipes" / "export_hf.py"
-SHORT = ["--seq-len", "32", "--log-every", "1", "--global-batch", "8", "--max-steps", "4", "--checkpoint-every", "0",
-         "--no-resume", "--optimizer", "sgd", "--lr", "0.5", *EVAL]
-CLIPPED = [*SHORT, "--clip-grad", "0.9"]  # (the tiny Llama's gradient norms: 0.87 to 0.98 over these steps)
-# LoRA trains far fewer weights, so its curve moves less per step: a larger rate keeps the skipped all-reduce
-# of its control more than 100x outside the tolerance (measured: 230x at 2, 39x at 0.5).
-LORA = ["--lora-rank", "4", *SHORT, "--lr", "2"]
-LAYOUTS = {  # name: (ranks, options, wrapper reported from inside)
-    "fsdp2": (2, ["--tp", "1", "--dp-shard", "2"], "FSDP2"),
-    "fsdp2xtp": (4, ["--tp", "2", "--dp-shard", "2"], "FSDP2+TP"),
-}
-
-
-def logits(directory: Path) -> torch.Tensor:
-    """The logits of the Hugging Face model saved in ``directory``, loaded on one process, for fixed tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
 
 
 def export_command(checkpoint: Path, out: Path, *extra: str):
     return run([sys.executable, str(EXPORT), str(checkpoint), "--out", str(out), *extra], env=recipe_env(), timeout=300)
-
-
-@pytest.fixture(scope="module")
-def fsdp_reference(tiny_llama, tmp_path_factory) -> tuple[dict, Path]:
-    """The tiny Llama on recipes/fsdp_tp_pp as one process, clipped, exported at the end."""
-    out = tmp_path_factory.mktemp("fsdp-reference")
-    assert_ok(run_recipe(FSDP_RECIPE, out / "run", 1, "--model", f"hf:{tiny_llama}", *CLIPPED, "--tp", "1",
-                         "--export-hf", str(out / "export")))
-    metrics = read_metrics(out / "run")
-    assert metrics["model_wrapper"] == "none" and set(metrics["placements"].values()) == {"plain tensor"}
-    assert max(grad_norms(metrics)) > 0.9  # clipping took part
-    return metrics, out / "export"
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_a_hugging_face_model_sharded_matches_one_process_and_exports_whole(name, tiny_llama, fsdp_reference, tmp_path):
-    """FSDP2 per decoder layer over 2 ranks, and FSDP2 x TP 2 x 2 with the model's base_model_tp_plan: the
-    curve of one process, with no warning in the log; the q/k/v/o and MLP weights really are cut over TP (DTensors on the tp mesh
-    dimension) and everything over dp_shard; --export-hf gathers the shards into a directory whose logits
-    are the one-process export's within 1e-5; recipes/export_hf.py on the run's DCP checkpoint writes the
-    same model."""
-    reference, reference_export = fsdp_reference
-    ranks, options, wrapper = LAYOUTS[name]
-    export = tmp_path / "export"
-    result = run_recipe(FSDP_RECIPE, tmp_path / "run", ranks, "--model", f"hf:{tiny_llama}", *CLIPPED, *options,
-                        "--export-hf", str(export))
-    assert warnings_in(result) == []  # (and it succeeded)
-    metrics = read_metrics(tmp_path / "run")
-    assert (metrics["world_size"], metrics["model_wrapper"], metrics["model"]) == (ranks, wrapper, f"hf:{tiny_llama}")
-    cut = {name: text for name, text in metrics["placements"].items() if "'tp'" in text}
-    if name == "fsdp2xtp":
-        assert len(cut) == 14 and all(any(f".{layer}.weight" in key for layer in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                      "gate_proj", "up_proj", "down_proj")) for key in cut), sorted(cut)
-    else:
-        assert not cut
-    assert all("dp_shard" in text for text in metrics["placements"].values())
-    for curve in (losses, eval_losses, grad_norms):
-        assert max_relative_difference(curve(metrics), curve(reference)) <= PARITY_RTOL, curve.__name__
-    torch.testing.assert_close(logits(export), logits(reference_export), rtol=PARITY_RTOL, atol=PARITY_RTOL)
-
-    again = export_command(tmp_path / "run", tmp_path / "from-checkpoint")
-    assert_ok(again)
-    assert "read a DCP checkpoint (fsdp_tp_pp)" in again.stdout
-    torch.testing.assert_close(logits(tmp_path / "from-checkpoint"), logits(export), rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("control, name", [("grad-sum", "fsdp2"), ("tp-no-reduce", "fsdp2xtp")])
-def test_the_negative_control_of_each_sharded_layout_is_caught(control, name, tiny_llama, fsdp_reference, tmp_path):
-    reference, _ = fsdp_reference
-    ranks, options, _ = LAYOUTS[name]
-    run_recipe(FSDP_RECIPE, tmp_path, ranks, "--model", f"hf:{tiny_llama}", *CLIPPED, *options, HPCML_TEST_FAULT=control)
-    assert caught(max_relative_difference(grad_norms(read_metrics(tmp_path)), grad_norms(reference)), PARITY_RTOL)
-
-
-@pytest.mark.parametrize("which", ["own-module", "own-data"])
-def test_your_module_and_your_data_on_fsdp2_match_one_process(which, tiny_llama, fields_file, tmp_path):
-    """The bigram LM (one FSDP2 unit: it declares no blocks) and the CNN on the HDF5 fields through --dataset."""
-    arguments = [*model_args(which, tiny_llama, fields_file), *SHORT, "--tp", "1"]
-    assert_ok(run_recipe(FSDP_RECIPE, tmp_path / "single", 1, *arguments))
-    assert_ok(run_recipe(FSDP_RECIPE, tmp_path / "sharded", 2, *arguments, "--dp-shard", "2"))
-    reference, metrics = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "sharded")
-    assert (metrics["world_size"], metrics["model_wrapper"]) == (2, "FSDP2")
-    assert all("dp_shard" in text for text in metrics["placements"].values())
-    for curve in (losses, eval_losses, grad_norms):
-        assert max_relative_difference(curve(metrics), curve(reference)) <= PARITY_RTOL, curve.__name__
-
-
-@pytest.fixture(scope="module")
-def lora_reference(tiny_llama, tmp_path_factory) -> tuple[dict, Path]:
-    out = tmp_path_factory.mktemp("lora-reference")
-    assert_ok(run_recipe(DDP_RECIPE, out / "run", 1, "--model", f"hf:{tiny_llama}", *LORA, "--export-hf", str(out / "export")))
-    return read_metrics(out / "run"), out / "export"
-
-
-@pytest.mark.parametrize("recipe", ["ddp", "fsdp2"])
-def test_lora_matches_one_process_and_its_export_merges_the_adapters(recipe, tiny_llama, lora_reference, tmp_path):
-    """--lora-rank 4 on 2 DDP ranks and on FSDP2 over 2 ranks, against one process: the same curve; only the
-    adapters trained (the model's own weights frozen: the parameter count the logs give is the whole
-    model's, the adapters are 4 per linear layer); the export merges them (its logits: the reference's
-    export's; not the untrained model's) and keeps them alone in DIR/adapter; recipes/export_hf.py on the
-    run's checkpoint writes the same model."""
-    from safetensors.torch import load_file
-
-    reference, reference_export = lora_reference
-    export = tmp_path / "export"
-    args = ["--model", f"hf:{tiny_llama}", *LORA, "--export-hf", str(export)]
-    if recipe == "ddp":
-        result = run_recipe(DDP_RECIPE, tmp_path / "run", 2, *args)
-    else:
-        result = run_recipe(FSDP_RECIPE, tmp_path / "run", 2, *args, "--tp", "1", "--dp-shard", "2")
-    assert warnings_in(result) == []  # (and it succeeded)
-    metrics = read_metrics(tmp_path / "run")
-    assert metrics["world_size"] == 2 and metrics["model_wrapper"] == {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2"}[recipe]
-    for curve in (losses, eval_losses):
-        assert max_relative_difference(curve(metrics), curve(reference)) <= PARITY_RTOL, curve.__name__
-    adapter = load_file(export / "adapter" / "adapter_model.safetensors")
-    assert adapter and all("lora_A" in key or "lora_B" in key for key in adapter), sorted(adapter)
-    assert not any("lora" in key for key in load_file(export / "model.safetensors"))  # merged: a plain Llama
-    torch.testing.assert_close(logits(export), logits(reference_export), rtol=PARITY_RTOL, atol=PARITY_RTOL)
-    assert (logits(export) - logits(tiny_llama)).abs().max() > 1e-3
-
-    again = export_command(tmp_path / "run", tmp_path / "from-checkpoint")
-    assert_ok(again)
-    assert "LoRA rank 4" in again.stdout
-    torch.testing.assert_close(logits(tmp_path / "from-checkpoint"), logits(export), rtol=0, atol=1e-6)
-
-
-def test_lora_with_the_gradient_all_reduce_skipped_is_caught(tiny_llama, lora_reference, tmp_path):
-    reference, _ = lora_reference
-    result = run_recipe(DDP_RECIPE, tmp_path, 2, "--model", f"hf:{tiny_llama}", *LORA, HPCML_TEST_FAULT="no-grad-allreduce")
-    assert result.returncode != 0 and "parameters differ across ranks" in result.stderr
-    assert caught(max_relative_difference(losses(read_metrics(tmp_path)), losses(reference)), PARITY_RTOL)
 
 
 # ---- the learning-rate schedule and gradient clipping

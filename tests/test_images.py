@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, build_images, container_env, run, shifter_pull
+from support.cluster import build_images, shifter_pull
+from support.runs import container_env, REPO, run
 
 pytestmark = pytest.mark.containers
 IMAGES = os.environ.get("HPCML_TEST_IMAGES", "ddp accelerate deepspeed megatron horovod").split()

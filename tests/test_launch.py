@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, recipe_env, run
+from support.runs import recipe_env, REPO, run
 
 JOB = dict(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="nid[000003-000004]", SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="8",
            SLURM_SUBMIT_DIR=str(REPO), REPO_DIR=str(REPO),
@@ -395,7 +395,7 @@ def test_deepspeed_ranks_are_srun_tasks_with_node_local_op_caches():
 
 
 def test_megatron_puts_tp_inside_a_node_and_pp_across_nodes_unless_told_otherwise():
-    """--tp node: the recipe takes the ranks of a node (harness.tp_size, tests/test_harness.py); --pp the nodes."""
+    """--tp node: the recipe takes the ranks of a node (harness.tp_size, tests/unit/test_harness_launch.py); --pp the nodes."""
     result = sbatch_file("megatron_tp_pp", "--num-layers", "8", CONTAINER_RUNTIME="none", SLURM_NTASKS_PER_NODE="4")
     assert result.returncode == 0, result.stderr
     assert srun_line(result) == ["srun", "--label", "--kill-on-bad-exit=1", "python3", f"{REPO}/recipes/megatron_tp_pp/train.py",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from conftest import REPO
+from support.runs import REPO
 
 
 def ruff() -> str:

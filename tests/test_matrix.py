@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (PARITY_RTOL, EVAL, REPO, TINY, build_images, unlabelled, container_env, eval_losses, job_nodes,
-                      job_state, losses, podman_load_as_user, read_metrics, recipe_env, run, shifter_pull,
-                      step_launches, submit_recipe)
+from support.cluster import (build_images, job_nodes, job_state, podman_load_as_user, shifter_pull, step_launches,
+                             submit_recipe, unlabelled)
+from support.curves import eval_losses, losses, PARITY_RTOL, read_metrics
+from support.runs import container_env, EVAL, recipe_env, REPO, run, TINY
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
 MATRIX = REPO / "tests" / "matrix.toml"
@@ -36,7 +37,7 @@ BASE_ARGS = [*TINY, "--max-steps", "4", "--checkpoint-every", "0"]
 SHORT_RUN = ["--seq-len", "32", "--log-every", "1", "--max-steps", "4", "--checkpoint-every", "0"]
 RECIPE_BASE_ARGS = {"megatron_tp_pp": SHORT_RUN, "horovod": SHORT_RUN, "tf_mirrored": SHORT_RUN}
 # Every cell trains with plain SGD, at a learning rate where a gradient of the wrong scale (a sum for a mean)
-# moves the loss by 100x the tolerance or more (tests/test_ddp_parity.py and friends measure it): Adam would
+# moves the loss by 100x the tolerance or more (tests/parity.toml: every control measures it): Adam would
 # hide it. (Megatron: no norm clip, which would hide it too; Horovod: per rank, used x world size.)
 SGD = ["--optimizer", "sgd", "--lr", "1.0"]
 RECIPE_SGD = {"megatron_tp_pp": [*SGD, "--clip-grad", "0"], "fsdp_tp_pp": ["--optimizer", "sgd", "--lr", "0.3"],

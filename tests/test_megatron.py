@@ -1,19 +1,12 @@
-"""The Megatron-core recipe: every TP x PP x DP layout trains what one process trains, the distributed
-checkpoint resumes (in the same layout and in another one), every bad layout is refused with one line,
-and the parity check catches a wrong pipeline (negative control).
+"""The Megatron-core recipe beyond parity (its layouts and controls are rows of tests/parity.toml): the
+distributed checkpoint resumes (in the same layout and in another one), bf16 trains and resumes, every bad
+layout is refused with one line by the preflight and by every rank, and the CPU placement shim
+(recipes/megatron_tp_pp/cpu_placement_shim.py) rewrites placements only, at sites on the checked-in
+allow-list (tests/megatron_shim_sites.txt; support/megatron_shim.py).
 
-Reference: 1 process (TP 1, PP 1), global batch 8 in 4 micro-batches of 2. Parallel: 2 or 4 gloo ranks
-under torchrun, real megatron-core on CPU through recipes/megatron_tp_pp/cpu_placement_shim.py.
-Tolerance: relative difference of the per-step loss <= 1e-5 over 4 steps (measured here: <= 1e-7);
-parameters that ranks share (DP replicas, TP-replicated norms and biases) bitwise identical, checked
-inside the run. Every site the shim rewrote must be on the checked-in allow-list.
-Optimizer: plain SGD (lr 1.0, no clipping), which a gradient of the wrong scale cannot pass (Adam and a
-norm clip both hide one); with the distributed optimizer, which is Adam only, the global gradient norm of
-every step is compared as well (within the same tolerance). Negative controls, each caught by the same comparison with a margin of 100x the
-tolerance or more: TP without its output all-reduce, DP replicas whose gradients are summed instead of
-averaged (plain and with the distributed optimizer), DP replicas never reduced (plain: the replicas also
-drift apart; distributed optimizer), PP 2's micro-batches summed instead of averaged, batched p2p with
-virtual stages; and a resume without the optimizer state, caught by the resume comparison.
+Resume: stopped after step 3 and rerun, the same layout continues bit for bit, another layout (PP 2 -> TP 2,
+resharded on load) within the parity tolerance; the control, a resume without the optimizer state, must miss
+it by 100x.
 """
 
 from __future__ import annotations
@@ -24,18 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (PARITY_RTOL, caught, EVAL, REPO, assert_ok, eval_losses, free_port, grad_norms, losses,
-                      max_relative_difference, read_metrics, recipe_env, run)
+from support import megatron_shim
+from support.curves import caught, losses, max_relative_difference, PARITY_RTOL, read_metrics
+from support.runs import assert_ok, EVAL, free_port, recipe_env, REPO, run
 
 RECIPE = REPO / "recipes" / "megatron_tp_pp" / "train.py"
-SHIM_ALLOW_LIST = REPO / "tests" / "megatron_shim_sites.txt"
 STEPS = ["--seq-len", "32", "--max-steps", "4", "--checkpoint-every", "0", "--log-every", "1",
          "--optimizer", "sgd", "--lr", "1.0", "--clip-grad", "0", *EVAL]
-# megatron-core's distributed optimizer is Adam only: its runs compare the global gradient norm of every
-# step as well, which a gradient of the wrong scale cannot pass either.
-ADAM = [*STEPS, "--optimizer", "adamw", "--lr", "3e-3"]
-SEEN_SHIM_SITES: set[str] = set()  # every run of this module adds what the shim rewrote
-COVERING_TESTS: set[str] = set()  # the tests whose runs together use every path the allow-list names
 
 
 def torchrun(out_dir, nproc: int, *args: str, **env):
@@ -69,115 +57,21 @@ def assert_refused_by_every_rank(out_dir, nproc: int, *args: str, fragment: str)
     assert not (Path(out_dir) / "metrics.json").exists()
 
 
-def allowed_shim_sites() -> set[str]:
-    lines = (line.strip() for line in SHIM_ALLOW_LIST.read_text().splitlines())
-    return {line for line in lines if line and not line.startswith("#")}
-
-
 def checked_metrics(out_dir) -> dict:
     """The run's metrics, after the checks every run must pass: shim on, its sites allowed, replicas equal."""
     metrics = read_metrics(out_dir)
-    assert metrics["cpu_placement_shim"] is True and metrics["backend"] == "gloo"
-    sites = set(metrics["cpu_placement_shim_sites"])
-    SEEN_SHIM_SITES.update(sites)
-    unexpected = sites - allowed_shim_sites()
-    assert not unexpected, (f"megatron-core made CUDA assumptions the shim is not allowed to rewrite: {sorted(unexpected)}; "
-                            f"check that each is placement only, then add it to {SHIM_ALLOW_LIST.name}")
+    assert metrics["backend"] == "gloo"
+    megatron_shim.check_sites(metrics)
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     return metrics
 
 
-def difference(metrics: dict, reference: dict) -> float:
-    """The largest relative difference of the per-step loss, the per-step global gradient norm and the
-    validation loss (forward only through the schedule, averaged over DP)."""
-    return max(max_relative_difference(losses(metrics), losses(reference)),
-               max_relative_difference(grad_norms(metrics), grad_norms(reference)),
-               max_relative_difference(eval_losses(metrics), eval_losses(reference)))
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict:
-    runs = {}
-    for name, steps in (("sgd", STEPS), ("adam", ADAM)):
-        out = tmp_path_factory.mktemp(f"reference-{name}")
-        assert_ok(single(out, *steps))
-        metrics = checked_metrics(out)
-        assert metrics["world_size"] == 1 and metrics["layout"]["tp"] == metrics["layout"]["pp"] == 1
-        assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4] and all(n > 0 for n in grad_norms(metrics))
-        assert len(eval_losses(metrics)) == 2
-        runs[name] = metrics
-    return runs
-
-
-@pytest.fixture(scope="module")
-def reference(references) -> dict:
-    return references["sgd"]
-
-
-LAYOUTS = {
-    "tp2": (2, ["--tp", "2"], {"tp": 2, "pp": 1, "dp": 1}),
-    "pp2": (2, ["--pp", "2"], {"tp": 1, "pp": 2, "dp": 1}),
-    "pp2-vp2": (2, ["--pp", "2", "--vp", "2"], {"tp": 1, "pp": 2, "dp": 1, "vp": 2}),
-    "tp2-pp2": (4, ["--tp", "2", "--pp", "2"], {"tp": 2, "pp": 2, "dp": 1}),
-    "dp2-tp2-distributed-optimizer": (4, ["--tp", "2", "--distributed-optimizer"], {"tp": 2, "pp": 1, "dp": 2}),
-}
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_one_process(references, tmp_path, name):
-    nproc, args, layout = LAYOUTS[name]
-    optimizer = "adam" if "--distributed-optimizer" in args else "sgd"
-    reference = references[optimizer]
-    assert_ok(torchrun(tmp_path, nproc, *(ADAM if optimizer == "adam" else STEPS), *args))
-    metrics = checked_metrics(tmp_path)
-    # It really was this parallel: from inside the run, megatron's own groups and wrapper.
-    assert metrics["world_size"] == nproc and len(metrics["hostnames"]) == nproc
-    assert {key: metrics["layout"][key] for key in layout} == layout
-    assert metrics["layout"]["num_microbatches"] == 8 // (2 * layout["dp"])
-    assert metrics["model_wrapper"] == "DistributedDataParallel"
-    assert metrics["n_params"] == reference["n_params"]  # the whole model, counted from its pieces
-    if "--distributed-optimizer" in args:
-        assert metrics["config"]["distributed_optimizer"] is True
-    assert [r["step"] for r in metrics["history"]] == [1, 2, 3, 4]
-    assert difference(metrics, reference) <= PARITY_RTOL
-    COVERING_TESTS.add(name)
-
-
-def test_batched_p2p_with_virtual_stages_is_refused_and_caught(reference, tmp_path):
-    """PP 2 + virtual stages + batched p2p swaps activations silently (exit 0, wrong losses). The recipe
-    refuses it; forced through, the parity check must see the loss go wrong (the negative control)."""
+def test_batched_p2p_with_virtual_stages_is_refused(tmp_path):
+    """PP 2 + virtual stages + batched p2p swaps activations silently (exit 0, wrong losses): the recipe refuses
+    it, on every rank. (Forced through, the parity check sees the loss go wrong: tests/parity.toml's control
+    megatron-pp2-vp2-batch-p2p.)"""
     assert_refused_by_every_rank(tmp_path / "refused", 2, *STEPS, "--pp", "2", "--vp", "2", "--batch-p2p-comm",
                                  fragment="drop --batch-p2p-comm")
-
-    forced = tmp_path / "forced"
-    assert_ok(torchrun(forced, 2, *STEPS, "--pp", "2", "--vp", "2", "--batch-p2p-comm", HPCML_TEST_FAULT="batch-p2p-with-vp"))
-    metrics = checked_metrics(forced)
-    assert metrics["config"]["batch_p2p_comm"] is True and metrics["layout"]["vp"] == 2
-    assert caught(max_relative_difference(losses(metrics), losses(reference)), PARITY_RTOL)
-    COVERING_TESTS.add("batched-p2p")
-
-
-@pytest.mark.parametrize("nproc, args, control", [
-    (2, ["--tp", "2"], "tp-no-reduce"),
-    (2, [], "grad-sum"),
-    (4, ["--tp", "2", "--distributed-optimizer"], "grad-sum"),
-    (2, [], "no-grad-allreduce"),
-    (2, ["--distributed-optimizer"], "no-grad-allreduce"),
-    (2, ["--pp", "2"], "accum-sum"),
-])
-def test_negative_controls_are_caught(references, tmp_path, nproc, args, control):
-    optimizer = "adam" if "--distributed-optimizer" in args else "sgd"
-    result = torchrun(tmp_path, nproc, *(ADAM if optimizer == "adam" else STEPS), *args, HPCML_TEST_FAULT=control)
-    metrics = read_metrics(tmp_path)
-    assert metrics["world_size"] == nproc and metrics["config"]["distributed_optimizer"] == ("--distributed-optimizer" in args)
-    assert caught(difference(metrics, references[optimizer]), PARITY_RTOL)
-    # Replicas drift apart, and the run itself fails: DP never reduced (plain), and TP without its all-reduce
-    # (what TP replicates, the norms, sees different inputs on each TP rank). The distributed optimizer
-    # gathers every replica's parameters from the shards: equal, and wrong.
-    if control == "tp-no-reduce" or (control == "no-grad-allreduce" and "--distributed-optimizer" not in args):
-        assert result.returncode != 0 and metrics["param_max_abs_diff_across_ranks"] > 0.0
-    else:
-        assert_ok(result)
 
 
 def test_checkpoint_resume_same_and_other_layout(tmp_path):
@@ -213,7 +107,7 @@ def test_checkpoint_resume_same_and_other_layout(tmp_path):
     assert_ok(torchrun(control, 2, *steps, "--pp", "2", HPCML_TEST_FAULT="resume-fresh-optimizer"))
     defective = losses(checked_metrics(control))
     assert defective[:3] == expected[:3] and caught(max_relative_difference(defective[3:], expected[3:]), PARITY_RTOL)
-    COVERING_TESTS.add("resume")
+    megatron_shim.covered("resume")
 
 
 def test_bf16_the_gpu_dtype_trains_checkpoints_and_resumes(tmp_path):
@@ -230,7 +124,7 @@ def test_bf16_the_gpu_dtype_trains_checkpoints_and_resumes(tmp_path):
     resumed = single(interrupted, *steps)
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout and losses(read_metrics(interrupted)) == losses(metrics)
-    COVERING_TESTS.add("bf16")
+    megatron_shim.covered("bf16")
 
 
 def test_resume_refuses_another_model(tmp_path):
@@ -308,15 +202,3 @@ print("\\n".join(before))
     assert {line.split(": ", 2)[2] for line in recorded} == {
         "zeros(device=cuda)", "Tensor.cuda()", "torch.cuda.current_device()", "Tensor.to(cuda)", "Tensor.type()",
         "torch.cuda.synchronize()"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def every_allowed_shim_site_is_still_needed():
-    """After the last test of this module, in whatever order they ran (make test shuffles them): once the
-    layout, resume and batched-p2p tests have all run and passed, every allow-list entry must have been
-    needed by one of their runs. An entry no run needs any more (megatron dropped that CUDA assumption) is
-    removed from the list, so the list stays the truth. Fails as an error at the module's teardown."""
-    yield
-    if COVERING_TESTS == {*LAYOUTS, "resume", "batched-p2p", "bf16"}:
-        unused = allowed_shim_sites() - SEEN_SHIM_SITES
-        assert not unused, f"{SHIM_ALLOW_LIST.name} allows sites no run needed any more: remove {sorted(unused)}"

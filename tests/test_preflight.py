@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, container_env, pipe_image_to_user, recipe_env, run, shifter_pull
+from support.cluster import pipe_image_to_user, shifter_pull
+from support.runs import container_env, recipe_env, REPO, run
 
 PREFLIGHT = REPO / "slurm" / "preflight.sh"
 

@@ -17,7 +17,8 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO, TINY, container_env, free_port, podman_hpc_store_lock, run, sbatch_recipe
+from support.cluster import podman_hpc_store_lock, sbatch_recipe
+from support.runs import container_env, free_port, REPO, run, TINY
 
 pytestmark = [pytest.mark.containers, pytest.mark.slurm]
 

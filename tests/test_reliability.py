@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLUSTER_DIR, DDP_RECIPE, unlabelled, REPO, TINY, assert_ok, container_env, copy_checkout,
-                      job_nodes, job_state, losses, read_metrics, recipe_env, run, run_single, sbatch_recipe,
-                      shifter_pull, submit_recipe)
+from support.cluster import (CLUSTER_DIR, copy_checkout, job_nodes, job_state, sbatch_recipe, shifter_pull,
+                             submit_recipe, unlabelled)
+from support.curves import losses, read_metrics
+from support.runs import assert_ok, container_env, DDP_RECIPE, recipe_env, REPO, run, run_single, TINY
 
 pytestmark = pytest.mark.slurm
 

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from conftest import (PARITY_RTOL, caught, DDP_RECIPE, TINY, assert_ok, fault, losses, max_relative_difference,
-                      read_metrics, recipe_env, run, run_single, run_torchrun)
+from support.curves import caught, losses, max_relative_difference, PARITY_RTOL, read_metrics
+from support.runs import assert_ok, DDP_RECIPE, fault, recipe_env, run, run_single, run_torchrun, TINY
 
 # AdamW (its moments are state a resume must restore) at a learning rate where losing them shows by far.
 ARGS = ["--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2", "--lr", "0.01"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from conftest import REPO, run
+from support.runs import REPO, run
 
 SCRIPTS = sorted(
     [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/lib/*.sh"), *REPO.glob("tests/**/*.sh"), *REPO.glob("containers/*.sh"),

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLUSTER_DIR, REPO, TINY, container_env, job_state, recipe_env, run, sbatch_recipe, shifter_pull
+from support.cluster import CLUSTER_DIR, job_state, sbatch_recipe, shifter_pull
+from support.runs import container_env, recipe_env, REPO, run, TINY
 
 pytestmark = pytest.mark.slurm
 RECIPE_ARGS = [*TINY, "--max-steps", "4", "--global-batch", "8", "--checkpoint-every", "0"]

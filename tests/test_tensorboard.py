@@ -14,7 +14,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util.tensor_util import make_ndarray
 
-from conftest import EVAL, REPO, assert_ok, eval_losses, free_port, losses, read_metrics, recipe_env, run, run_torchrun
+from support.curves import eval_losses, losses, read_metrics
+from support.runs import assert_ok, EVAL, free_port, recipe_env, REPO, run, run_torchrun
 
 STEPS = ["--global-batch", "8", "--max-steps", "5", "--checkpoint-every", "0", "--no-resume"]
 VENV_TF = REPO / ".venv-tf"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import REPO
+from support.runs import REPO
 
 
 def pins(path) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, recipe_env, run
+from support.runs import free_port, recipe_env, REPO, run
 
 TF_PYTHON = REPO / ".venv-tf" / "bin" / "python"
 GPT_SMALL = ["--seq-len", "32", "--n-layer", "1", "--n-head", "2", "--n-embd", "32"]

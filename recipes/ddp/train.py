@@ -15,7 +15,7 @@ The same file runs everywhere; it picks NCCL when CUDA is present and gloo other
     sbatch slurm/ddp.sh
 
 Every rank gets global_batch / world_size rows of the same global batch, so the loss curve does not depend
-on the number of ranks: 2 ranks must match 1 process to float precision (tests/test_ddp_parity.py).
+on the number of ranks: 2 ranks must match 1 process to float precision (tests/parity.toml).
 Checkpoints go to OUT_DIR/checkpoints every --checkpoint-every steps and at the end; a rerun with the same
 --out-dir resumes from the newest one. Rank 0 writes OUT_DIR/metrics.json and TensorBoard
 events (OUT_DIR/tensorboard). SIGUSR1 (Slurm's time-limit warning) or SIGTERM (preemption): every rank

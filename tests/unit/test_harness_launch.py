@@ -1,4 +1,5 @@
-"""Unit tests of the recipe harness (recipes/harness/): rank layout, host lists, synthetic data, MFU formula, checkpoints."""
+"""recipes/harness/launch.py: the rank layout from torchrun's or Slurm's variables, host lists, GPUs
+per rank, CPU lists, a collective that failed."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from support.runs import REPO, free_port
+
 sys.path.insert(0, str(REPO / "recipes"))
 import harness  # noqa: E402
 from harness.launch import check_ranks_per_gpu  # noqa: E402
@@ -93,79 +94,6 @@ def test_plain_process_is_single():
     assert harness.detect_dist_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).world_size == 1
 
 
-def test_synthetic_batches_are_deterministic_and_split_by_rank():
-    data = harness.SyntheticTokens(vocab_size=50, seq_len=16, seed=3)
-    inputs, targets = data.global_batch(step=5, batch_size=8)
-    again, _ = data.global_batch(step=5, batch_size=8)
-    other, _ = data.global_batch(step=6, batch_size=8)
-    assert torch.equal(inputs, again) and not torch.equal(inputs, other)
-    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one
-    halves = [data.local_batch(5, 8, rank, 2)[0] for rank in range(2)]
-    assert torch.equal(torch.cat(halves), inputs)
-    assert int(inputs.max()) < 50
-
-
-def test_flops_formula():
-    # 6N + 12 L d T with N = 1e6, L = 2, d = 64, T = 32
-    assert harness.transformer_flops_per_token(1_000_000, 2, 64, 32) == 6e6 + 12 * 2 * 64 * 32
-
-
-def test_cpu_peak_is_measured():
-    flops, source = harness.peak_flops(torch.device("cpu"), torch.float32)
-    assert flops > 1e8 and source.startswith("measured")
-    assert harness.peak_flops(torch.device("cpu"), torch.float32, override_tflops=2.0) == (2e12, "--peak-tflops")
-
-
-def test_checkpoints_are_atomic_and_pruned(tmp_path):
-    for step in (10, 20, 30):
-        harness.save_checkpoint(tmp_path, step, {"step": step}, keep=2)
-    assert [p.name for p in harness.list_checkpoints(tmp_path)] == ["step_00000020.pt", "step_00000030.pt"]
-
-    class ExplodesWhilePickled:
-        def __reduce__(self):
-            raise RuntimeError("crash in the middle of writing")
-
-    with pytest.raises(RuntimeError, match="crash in the middle"):
-        harness.save_checkpoint(tmp_path, 40, {"step": 40, "payload": torch.zeros(1000), "bad": ExplodesWhilePickled()})
-    latest = harness.latest_checkpoint(tmp_path)
-    assert latest.name == "step_00000030.pt"  # the half-written step 40 is never picked
-    assert torch.load(latest)["step"] == 30
-    assert any(p.name.startswith(".step_00000040.pt.tmp") for p in tmp_path.iterdir())
-
-
-def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--max-steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--out-dir", type=Path, default=Path("runs"))
-    parser.add_argument("--no-resume", action="store_true")
-    parser.add_argument("--config", type=Path)
-    config = tmp_path / "run.toml"
-    config.write_text('max-steps = 50\nlr = 1\nout_dir = "elsewhere"\nno-resume = true\n')
-    args = harness.parse_args_with_config(parser, ["--config", str(config), "--max-steps", "7"])
-    assert (args.max_steps, args.lr, args.out_dir, args.no_resume) == (7, 1.0, Path("elsewhere"), True)
-    config.write_text("no-resume = 1\n")
-    with pytest.raises(harness.ConfigError, match="'no-resume' in --config .* must be true/false, got 1"):
-        harness.parse_args_with_config(parser, ["--config", str(config)])
-    with pytest.raises(harness.ConfigError, match="cannot read --config .*missing.toml"):
-        harness.parse_args_with_config(parser, ["--config", str(tmp_path / "missing.toml")])
-
-
-def test_lines_of_ranks_printing_at_once_never_run_into_each_other():
-    """Four unbuffered processes writing 2000 error lines each into one pipe, as ranks do into one job log:
-    every line arrives whole (print() would write text and newline separately, and lines would merge)."""
-    writer = ("import sys; sys.path.insert(0, sys.argv[1]); import harness\n"
-              "for i in range(2000): harness.stderr_line(f'[rank {sys.argv[2]}] error: the same long message, ' + 'x' * 200)")
-    script = " & ".join(f"{sys.executable} -c \"{writer}\" {REPO / 'recipes'} {rank}" for rank in range(4))
-    result = subprocess.run(["bash", "-c", f"{{ {script} & wait; }} 2>&1"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=120)
-    lines = result.stdout.splitlines()
-    assert len(lines) == 8000
-    assert all(re.fullmatch(r"\[rank \d\] error: the same long message, x{200}", line) for line in lines)
-
-
 @pytest.mark.parametrize(("order", "gpus", "expected"), [
     ("", 4, [0, 1, 2, 3]),
     ("3,2,1,0", 4, [3, 2, 1, 0]),  # Perlmutter: local rank l on NUMA domain l, next to GPU 3-l
@@ -185,33 +113,6 @@ def test_a_gpu_order_that_is_not_a_permutation_is_refused(order):
 def test_cpu_lists_are_written_as_taskset_writes_them():
     from harness.launch import cpu_list
     assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8" and cpu_list([3]) == "3"
-
-
-def test_a_checkpoint_directory_with_a_missing_or_short_file_is_refused(tmp_path):
-    from harness.checkpoint import check_manifest, write_manifest
-
-    checkpoint = tmp_path / "step_00000002"
-    (checkpoint / "shards").mkdir(parents=True)
-    (checkpoint / "shards" / "rank0.pt").write_bytes(b"x" * 100)
-    (checkpoint / "state.json").write_text("{}")
-    write_manifest(checkpoint)
-    check_manifest(checkpoint)  # whole
-    (checkpoint / "shards" / "rank0.pt").write_bytes(b"x" * 60)
-    with pytest.raises(harness.ConfigError, match=r"is damaged: shards/rank0.pt has 60 bytes where 100 were written; "
-                                                  r"move .*step_00000002 away"):
-        check_manifest(checkpoint)
-    (checkpoint / "shards" / "rank0.pt").unlink()
-    with pytest.raises(harness.ConfigError, match="is damaged: shards/rank0.pt is missing"):
-        check_manifest(checkpoint)
-
-
-def test_the_parity_comparison_fails_a_curve_that_went_nan():
-    """max() skips a NaN it meets after the first element: the tests' comparison must not."""
-    from conftest import max_relative_difference
-
-    assert max_relative_difference([1.0, 2.0], [1.0, 2.0]) == 0.0
-    assert max_relative_difference([1.0, float("nan")], [1.0, 2.0]) == float("inf")
-    assert max_relative_difference([1.0, 2.0], [1.0, float("inf")]) == float("inf")
 
 
 def test_only_a_collective_that_lost_its_peer_is_named_a_collective_failure():
@@ -282,7 +183,7 @@ except RuntimeError as error:
     env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "100", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "rank_"),
            "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                             f"--master_port={_free_port()}", str(script)], env=env, capture_output=True, text=True, timeout=120)
+                             f"--master_port={free_port()}", str(script)], env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.startswith("[test] error: ")]
     assert len(lines) == 1, result.stderr
     trace = tmp_path / "fr" / "rank_0"
@@ -292,62 +193,3 @@ except RuntimeError as error:
     entries = pickle.loads(trace.read_bytes())["entries"]
     assert [entry["profiling_name"] for entry in entries] == ["gloo:all_reduce", "gloo:broadcast"]
     assert not (tmp_path / "fr" / "rank_1").exists()  # the stopped rank wrote nothing
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_a_users_dataset_gives_each_rank_its_rows_of_the_same_global_batch():
-    """DatasetBatches (--dataset): rank r's rows of step s are rows [r*b, (r+1)*b) of the global batch, at any
-    world size; the order is a seeded permutation per epoch, and a step past an epoch wraps into the next."""
-    from harness.data import DatasetBatches
-
-    items = [(torch.full((2,), float(i)), torch.tensor(float(i))) for i in range(10)]
-    data = DatasetBatches(items, seed=5)
-    inputs, targets = data.global_batch(3, 4)  # samples 12..15: epoch 1, positions 2..5
-    assert torch.equal(inputs[:, 0], targets) and sorted(set(targets.tolist())) == sorted(targets.tolist())
-    assert targets.tolist() == [float(data.order(1)[p]) for p in range(2, 6)]
-    for world in (1, 2, 4):
-        parts = [data.local_batch(3, 4, rank, world)[1] for rank in range(world)]
-        assert torch.equal(torch.cat(parts), targets)
-    assert sorted(data.order(0).tolist()) == list(range(10)) and not torch.equal(data.order(0), data.order(1))
-
-
-# The harness in layers: a module imports only modules of lower layers (function-level imports included), so
-# the graph has no cycle and a reader can start at the bottom. recipes/gpt.py, the model, imports no harness.
-HARNESS_LAYERS = {
-    "errors": 0,
-    "checkpoint": 1, "faults": 1, "launch": 1,
-    "signals": 2, "metrics": 2,
-    "hf_model": 3, "run": 3,
-    "model": 4,
-    "data": 5,
-    "cli": 6,
-    "__init__": 7,
-}
-
-
-def harness_imports(path: Path) -> set[str]:
-    """The harness modules ``path`` imports, anywhere in it (relative imports: from .x, from . import x)."""
-    import ast
-
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found |= {node.module} if node.module else {alias.name for alias in node.names}
-    return found
-
-
-def test_the_harness_imports_only_downward_and_the_model_not_at_all():
-    modules = {path.stem: path for path in (REPO / "recipes" / "harness").glob("*.py")}
-    assert set(modules) == set(HARNESS_LAYERS), "a harness module without a layer: add it to HARNESS_LAYERS"
-    upward = {(name, imported) for name, path in modules.items() for imported in harness_imports(path)
-              if HARNESS_LAYERS[imported] >= HARNESS_LAYERS[name]}
-    assert not upward, f"imports at or above the importer's layer: {sorted(upward)}"
-    gpt = (REPO / "recipes" / "gpt.py").read_text()
-    assert "harness" not in {line.split()[1].split(".")[0] for line in gpt.splitlines() if line.startswith(("import ", "from "))}
