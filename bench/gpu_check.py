@@ -9,7 +9,8 @@ and the PyTorch-native recipe (FSDP2 over every GPU; TP over the GPUs of the nod
 
 Run it on a GPU machine (a lent H200, a Perlmutter node: `srun -N 1 -G 4 --pty ...`). It writes
 OUT/gpu_check.json with the GPU, the driver-visible CUDA and NCCL versions and, per mode, tokens/s per
-GPU and MFU against the data-sheet bf16 peak (recipes/harness/metrics.py: GPU_PEAK_FLOPS). Without a GPU it
+GPU and MFU against the data-sheet bf16 peak (recipes/harness/metrics.py: GPU_PEAK_FLOPS), rank 0's peak GPU
+memory (allocated and reserved) and the data loader's share of the step time. Without a GPU it
 measures nothing, says so, and exits 2: there is no CPU fallback that could be mistaken for a result.
 The Megatron recipe runs the same GPT shape at TP=1 (one model per GPU, DP over the GPUs), with
 Transformer Engine's layers where TE is installed (the megatron:cuda image) and megatron's own otherwise;
@@ -85,7 +86,9 @@ def main() -> int:
                         "peak_flops_per_gpu": metrics["summary"]["peak_flops_per_device"],
                         "peak_source": metrics["summary"]["peak_source"], "backend": metrics["backend"],
                         "world_size": metrics["world_size"], "final_loss": metrics["summary"]["final_loss"],
-                        "recipe": recipe, "layout": metrics.get("layout"), "n_params": metrics.get("n_params")}
+                        "recipe": recipe, "layout": metrics.get("layout"), "n_params": metrics.get("n_params"),
+                        # rank 0's peak (torch.cuda.max_memory_allocated/reserved) and the loader's share of the steps
+                        "peak_memory": metrics.get("peak_memory"), "data_wait_share": metrics.get("data_wait_share")}
         print(f"gpu-check: {mode}: {report[mode]['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, "
               f"MFU {100 * report[mode]['mfu']:.1f}%", flush=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")

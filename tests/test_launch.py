@@ -553,3 +553,23 @@ def test_your_model_directory_and_code_must_be_mounted(tmp_path):
             assert f'CONTAINER_MOUNTS="{models}' in error
             mounted = launch(*option, **image, CONTAINER_MOUNTS=str(models))
             assert mounted.returncode == 0 and str(models) in mounts(srun_line(mounted)), mounted.stderr
+
+
+def test_nsight_systems_wraps_each_rank_for_the_profiled_steps(tmp_path):
+    """HPCML_NSYS=1 (GPU only: it is checked here as a dry run): `nsys profile` in front of each rank's Python,
+    its capture range the CUDA profiler range the recipe opens for --profile START:END, a report per rank in
+    RUN_DIR/nsys. Without --profile there is nothing to capture: one line, before srun. (On a GPU machine:
+    HPCML_NSYS=1 sbatch slurm/ddp.sh --profile 10:12, then `nsys stats RUN_DIR/nsys/rank0.nsys-rep`.)"""
+    run_dir = tmp_path / "run"
+    result = launch("--profile", "3:4", CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", HPCML_NSYS="1", RUN_DIR=str(run_dir))
+    assert result.returncode == 0, result.stderr
+    words = srun_line(result)
+    nsys = words.index("nsys")
+    assert words[nsys:nsys + 2] == ["nsys", "profile"] and words[nsys + 7:nsys + 9] == ["python3", f"{REPO}/recipes/ddp/train.py"]
+    assert {"--capture-range=cudaProfilerApi", "--capture-range-end=stop", f"--output={run_dir}/nsys/rank%q{{SLURM_PROCID}}"} \
+        <= set(words[nsys:nsys + 7])
+    refused = launch("--max-steps", "3", CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", HPCML_NSYS="1", RUN_DIR=str(run_dir))
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "add it (e.g. --profile 10:12)" in lines[0], refused.stderr
+    plain = srun_line(launch("--profile", "3:4", CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", RUN_DIR=str(run_dir)))
+    assert "nsys" not in plain

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     micro_rows = args.global_batch // (dp * args.grad_accum)
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
                                    dp_rank, dp, device)  # (--data-workers: read ahead)
-    for step, (inputs, targets) in zip(run.steps(), batches):
+    for step, (inputs, targets) in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
         step_loss, norm = torch.zeros((), device=device), None
         lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
         harness.set_learning_rate(optimizer, lr)
@@ -264,15 +264,18 @@ def main(argv: list[str] | None = None) -> int:
             rows = slice(micro * micro_rows, (micro + 1) * micro_rows)
             # accumulate(): no gradient all-reduce until the last micro-batch, and the optimizer steps only then
             with accelerator.accumulate(model):
-                loss = model(inputs[rows].to(device), targets[rows].to(device))
+                with harness.phase("forward"):
+                    loss = model(inputs[rows].to(device), targets[rows].to(device))
                 # backward() divides by --grad-accum (the gradient of the mean loss); the all-reduce averages
                 # over the ranks
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:  # the step's last micro-batch: the gradients are whole
-                    norm = float(accelerator.clip_grad_norm_(model.parameters(),
-                                                             args.clip_grad if args.clip_grad > 0 else float("inf")))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                with harness.phase("backward"):
+                    accelerator.backward(loss)
+                with harness.phase("optimizer"):
+                    if accelerator.sync_gradients:  # the step's last micro-batch: the gradients are whole
+                        norm = float(accelerator.clip_grad_norm_(model.parameters(),
+                                                                 args.clip_grad if args.clip_grad > 0 else float("inf")))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
             step_loss += loss.detach() / args.grad_accum
         global_loss = harness.mean_across_ranks(step_loss, world_size)  # also synchronises the step for timing
         metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)

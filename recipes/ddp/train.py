@@ -154,15 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
                                    env.rank, env.world_size, device)  # (--data-workers: read ahead)
-    for step, (inputs, targets) in zip(run.steps(), batches):
+    for step, (inputs, targets) in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(inputs, targets)
-            loss.backward()  # DDP averages the gradients across ranks here, overlapped with backward
-        norm = harness.clip_gradients(raw_model.parameters(), args.clip_grad)  # (--clip-grad; the norm for the logs)
-        lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
-        harness.set_learning_rate(optimizer, lr)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            with harness.phase("forward"):
+                loss = model(inputs, targets)
+            with harness.phase("backward"):
+                loss.backward()  # DDP averages the gradients across ranks here, overlapped with backward
+        with harness.phase("optimizer"):
+            norm = harness.clip_gradients(raw_model.parameters(), args.clip_grad)  # (--clip-grad; the norm for the logs)
+            lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
+            harness.set_learning_rate(optimizer, lr)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         global_loss = harness.mean_across_ranks(loss, env.world_size)  # also synchronises the step for timing
         metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)
         if run.eval_due(step):

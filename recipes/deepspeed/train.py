@@ -342,12 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     # DeepSpeed computes the global gradient norm for ZeRO 1-3 and bf16; at ZeRO-0 in fp32 (clipping or not) it
     # keeps none, so the recipe takes it itself: every run logs grad_norm (and a parity test can compare it).
     own_norm = pp == 1 and stage == 0 and dtype == torch.float32
-    for step, (inputs, targets) in zip(run.steps(), batches):
+    for step, (inputs, targets) in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
         harness.set_learning_rate(engine.optimizer, run.learning_rate(step))  # --lr-schedule, --warmup-steps
         if pp > 1:  # the engine runs the micro-batches through the stages (its 1F1B schedule), then steps
             micro = [(inputs[i:i + micro_rows].to(device), targets[i:i + micro_rows].to(device))
                      for i in range(0, len(inputs), micro_rows)]
-            loss = float(engine.train_batch(data_iter=iter(micro)))  # mean over micro-batches and DP, every stage
+            with harness.phase("pipeline-step"):  # forward, backward, p2p and the optimizer, in the engine's schedule
+                loss = float(engine.train_batch(data_iter=iter(micro)))  # mean over micro-batches and DP, every stage
             metrics.log_step(step, loss, global_batch, run.step_time(), engine.get_lr()[0])
             if run.eval_due(step):
                 metrics.log_eval(step, evaluate(), args.eval_batches)
@@ -357,13 +358,16 @@ def main(argv: list[str] | None = None) -> int:
         step_loss = torch.zeros((), device=device)
         for micro in range(accum):
             rows = slice(micro * micro_rows, (micro + 1) * micro_rows)
-            loss = engine(inputs[rows].to(device), targets[rows].to(device))
+            with harness.phase("forward"):
+                loss = engine(inputs[rows].to(device), targets[rows].to(device))
             # backward() scales by 1/accum and reduces (ZeRO: reduce-scatters) the mean over the ranks at the
             # last micro-batch
-            engine.backward(loss)
-            if own_norm and micro == accum - 1:  # the reduced gradients, on the module until the step
-                norm = harness.clip_gradients(engine.module.parameters(), 0)
-            engine.step()  # the optimizer steps only at the accumulation boundary
+            with harness.phase("backward"):
+                engine.backward(loss)
+            with harness.phase("optimizer"):
+                if own_norm and micro == accum - 1:  # the reduced gradients, on the module until the step
+                    norm = harness.clip_gradients(engine.module.parameters(), 0)
+                engine.step()  # the optimizer steps only at the accumulation boundary
             step_loss += loss.detach().float() / accum
         global_loss = harness.mean_across_ranks(step_loss, env.world_size)  # also synchronises the step for timing
         norm = norm if own_norm else engine.get_global_grad_norm()

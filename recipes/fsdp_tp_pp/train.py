@@ -274,23 +274,27 @@ def main(argv: list[str] | None = None) -> int:
         stage.train()
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch, dp_rank,
                                    layout.dp, device)  # (--data-workers: read ahead)
-    for step, (inputs, targets) in zip(run.steps(), batches):
+    for step, (inputs, targets) in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
         with autocast:
             if schedule is None:
-                loss = loss_of(inputs, targets)
-                loss.backward()  # TP's all-reduces and FSDP2's reduce-scatters run inside backward
+                with harness.phase("forward"):
+                    loss = loss_of(inputs, targets)
+                with harness.phase("backward"):
+                    loss.backward()  # TP's all-reduces and FSDP2's reduce-scatters run inside backward
             else:
                 losses = []
-                schedule.step(*([inputs] if has_first else []), target=targets if has_last else None,
-                              losses=losses if has_last else None)
+                with harness.phase("pipeline-step"):  # the schedule's forwards, backwards and p2p, interleaved
+                    schedule.step(*([inputs] if has_first else []), target=targets if has_last else None,
+                                  losses=losses if has_last else None)
                 loss = torch.stack(losses).mean() if has_last else torch.zeros((), device=device)
-        norm = parallelize.grad_norm(stages, mesh["pp"].get_group() if layout.pp > 1 else None)
-        parallelize.clip_gradients(stages, norm, args.clip_grad)  # --clip-grad
-        lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
-        for optimizer in optimizers:
-            harness.set_learning_rate(optimizer, lr)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        with harness.phase("optimizer"):
+            norm = parallelize.grad_norm(stages, mesh["pp"].get_group() if layout.pp > 1 else None)
+            parallelize.clip_gradients(stages, norm, args.clip_grad)  # --clip-grad
+            lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
+            for optimizer in optimizers:
+                harness.set_learning_rate(optimizer, lr)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         # The loss lives on the last stage, the same on each of its TP ranks: its mean over DP ranks
         global_loss = harness.mean_across_ranks(loss.detach().float(), env.world_size) * layout.pp
         metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)

@@ -47,6 +47,7 @@ from .metrics import (describe_run, gpu_peak_flops, MetricsLogger, peak_flops, s
                       transformer_flops_per_token)
 from .model import (check_export_option, check_model_vocabulary, export_trained_model, model_size, model_spec,
                     ModelSpec)
+from .profiling import peak_memory, phase
 from .run import clip_gradients, learning_rate, set_learning_rate, torch_optimizer, TrainingRun, validation_loss
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
@@ -61,7 +62,7 @@ __all__ = [
     "list_checkpoint_dirs", "list_checkpoints", "main_entry", "max_across_ranks", "max_difference_across_ranks",
     "mean_across_ranks", "MetricsLogger", "model_size", "model_spec", "ModelSpec", "new_parser", "nodes_in_job", "numpy_batches",
     "numpy_token_batch",
-    "parse_args_with_config", "parse_recipe_args", "peak_flops", "preflight_line", "publish_checkpoint_dir",
+    "parse_args_with_config", "parse_recipe_args", "peak_flops", "peak_memory", "phase", "preflight_line", "publish_checkpoint_dir",
     "ranks_per_node", "tp_size", "require_at_least_one", "require_divisible", "require_positive", "restore_rng_state",
     "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
     "save_sharded_checkpoint", "setup_torch_distributed", "staging_checkpoint_dir", "start_metrics",

@@ -21,6 +21,7 @@ from .data import check_data_option, user_dataset
 from .errors import ConfigError, stderr_line
 from .launch import check_gpus_visible, check_ranks_per_gpu, exit_on_collective_failure, failed_collective_rank
 from .metrics import check_tensorboard_writer, tensorboard_dir
+from .profiling import profile_steps
 
 
 def exit_on_config_error(recipe: str, error: ConfigError) -> None:
@@ -49,7 +50,7 @@ def new_parser(doc: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout: bool = True) -> None:
+def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout: bool = True, profile: bool = True) -> None:
     """Options of the run rather than of the model: where it writes, how often it checkpoints, when it stops."""
     g = p.add_argument_group("run options (every recipe)")
     g.add_argument("--max-steps", type=int, default=30)
@@ -65,6 +66,10 @@ def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout:
     if collective_timeout:
         g.add_argument("--timeout-s", type=float, default=300.0,
                        help="process-group timeout: a collective that waits longer fails the job")
+    if profile:
+        g.add_argument("--profile", default=None, metavar="START:END",
+                       help="record steps START to END with torch.profiler: OUT_DIR/profile/rank<R>.pt.trace.json "
+                            "per rank (Perfetto, TensorBoard); on a GPU also Nsight Systems' range (HPCML_NSYS=1)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per device for MFU (default: data sheet on GPU, measured matmul on CPU)")
     g.add_argument("--config", type=Path, default=None,
@@ -157,12 +162,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] | None,
                       model_options: Callable[[argparse.ArgumentParser], None] | None = None,
-                      collective_timeout: bool = True, lora: bool = False) -> argparse.Namespace:
+                      collective_timeout: bool = True, lora: bool = False, profile: bool = True) -> argparse.Namespace:
     """The shared option groups after the recipe's own, then the command line (and --config) parsed.
     ``model_options``: the stack's model adds its options (recipes/gpt.py: GPTConfig.add_arguments); with it
     the recipe takes --model, --dataset, --export-hf and --lora-rank (which it refuses unless ``lora``).
-    ``collective_timeout``: --timeout-s (PyTorch's groups)."""
-    add_run_options(p, recipe, collective_timeout)
+    ``collective_timeout``: --timeout-s (PyTorch's groups); ``profile``: --profile (torch.profiler)."""
+    add_run_options(p, recipe, collective_timeout, profile)
     add_data_options(p, user_datasets=model_options is not None)
     if model_options is not None:
         add_model_options(p)
@@ -229,6 +234,7 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
         raise ConfigError(f"--checkpoint-every must be 0 (only at the end) or more, got {args.checkpoint_every}")
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
         raise ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
+    profile_steps(args)
     if tensorboard_dir(args) is not None and framework == "torch":
         check_tensorboard_writer()
     check_ranks_per_gpu()

@@ -2,8 +2,9 @@
 
     run = harness.TrainingRun(RECIPE, args, rank, start_step, agree=harness.max_across_ranks(world_size, device))
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), ...)  # this rank's rows
-    for step, (inputs, targets) in zip(run.steps(), batches):
-        ...                                    # the recipe's own training step
+    for step, (inputs, targets) in run.steps(batches):  # (the wait for each batch is timed apart)
+        with harness.phase("forward"):         # named ranges: the --profile trace, NVTX on a GPU
+            ...                                # the recipe's own training step
         metrics.log_step(step, loss, global_batch, run.step_time(), lr)
         if run.eval_due(step):                 # --eval-every: the validation loss, averaged over the DP ranks
             metrics.log_eval(step, evaluate(), args.eval_batches)
@@ -11,7 +12,8 @@
             break
     run.save_last(save)
     ...                                        # the recipe's end-of-run proof (parameter spread)
-    code = run.finish(metrics, spread)         # metrics.json, the done line, the stop marker; the exit code
+    code = run.finish(metrics, spread)         # metrics.json (peak memory, data-wait share), the done line, the
+                                               # stop marker, the --profile trace; the exit code
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import argparse
 import math
 import signal
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from . import faults
 from .checkpoint import checkpoint_due
 from .errors import stderr_line
+from .profiling import StepProfiler, peak_memory, profile_steps
 from .signals import STOP_MARKER, StopRequest
 
 
@@ -41,12 +44,27 @@ class TrainingRun:
         if rank == 0:
             (args.out_dir / STOP_MARKER).unlink(missing_ok=True)  # from an earlier, stopped run
         self.stop = StopRequest(recipe, rank)  # SIGUSR1 before the time limit, SIGTERM on preemption
+        steps = profile_steps(args)
+        self.profiler = StepProfiler(steps, rank, args.out_dir) if steps else None
+        self.step_seconds = self.data_seconds = 0.0  # (summed over the steps: the share spent waiting for data)
 
-    def steps(self) -> Iterator[int]:
-        """The steps still to run (after a resume: from the checkpoint's next step), each one timed."""
+    def steps(self, batches: Iterable | None = None) -> Iterator:
+        """The steps still to run (after a resume: from the checkpoint's next step), each one timed; with
+        ``batches``, (step, batch) pairs, and the wait for each batch timed on its own (the data loader's
+        share of the step time, in metrics.json)."""
+        batches = iter(batches) if batches is not None else None
         for step in range(self.start_step + 1, self.args.max_steps + 1):
             self._step_started = time.perf_counter()
-            yield step
+            if self.profiler:
+                self.profiler.step_starts(step)
+            if batches is None:
+                yield step
+                continue
+            batch = next(batches, None)
+            if batch is None:
+                return
+            self.data_seconds += time.perf_counter() - self._step_started
+            yield step, batch
 
     def step_time(self) -> float:
         """Seconds since the current step began (call it once the step's loss is known on every rank)."""
@@ -66,6 +84,9 @@ class TrainingRun:
     def step_done(self, step: int, save: Callable[[int], None]) -> bool:
         """After ``step``: checkpoint if --checkpoint-every says so; True if the run stops here."""
         self.last_step = step
+        self.step_seconds += time.perf_counter() - self._step_started
+        if self.profiler:
+            self.profiler.step_ends(step)
         if checkpoint_due(self.args, step):
             save(step)
         self.stopped_by = self._agree(self.stop.received)
@@ -83,9 +104,13 @@ class TrainingRun:
         signal (then with OUT_DIR/stopped_by_signal, so that the launcher requeues the job). ``differ`` names the copies in the
         error line."""
         signame = signal.Signals(self.stopped_by).name if self.stopped_by else None
+        trace = self.profiler.close() if self.profiler else None
         metrics.write({"param_max_abs_diff_across_ranks": spread, "last_step": self.last_step,
                        "stopped_early": self.last_step < self.args.max_steps, "stopped_by_signal": signame,
-                       **(extra or {})})
+                       "peak_memory": peak_memory(),  # (the logging rank's)
+                       "data_wait_s": self.data_seconds, "step_time_s": self.step_seconds,
+                       "data_wait_share": self.data_seconds / self.step_seconds if self.step_seconds else None,
+                       "profile_trace": str(trace) if trace else None, **(extra or {})})
         metrics.close()
         if metrics.is_logging_rank:
             s, peak = metrics.summary(), metrics.peak_flops_per_device

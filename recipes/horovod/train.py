@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_optimizer_option(p)
     keras_model.add_model_options(p)
     harness.add_schedule_options(p)  # --lr-schedule, --warmup-steps, --clip-grad (of the averaged gradients)
-    return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False)
+    return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False, profile=False)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     sync_checks = []
     # --data: synthetic or a token file, read one step ahead (tf.data)
     batches = harness.tf_step_batches(args, range(start_step + 1, args.max_steps + 1), global_batch)
-    for step, (inputs, targets) in zip(run.steps(), batches):
+    for step, (inputs, targets) in run.steps(batches):  # (the wait for each batch timed apart)
         rows = slice(rank * args.batch_per_rank, (rank + 1) * args.batch_per_rank)
         lr = run.learning_rate(step) * world_size  # --lr-schedule, --warmup-steps; Horovod's --lr x ranks
         optimizer.learning_rate = lr

@@ -140,18 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     run = harness.TrainingRun(RECIPE, args, rank, start_step, agree)
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), global_batch, rank, world_size,
                                    device)  # (--data-workers: read ahead)
-    for step, (inputs, targets) in zip(run.steps(), batches):
+    for step, (inputs, targets) in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
         optimizer.zero_grad()  # (Horovod's wrapper takes no set_to_none)
-        loss = model(inputs, targets)
-        loss.backward()  # DistributedOptimizer starts an all-reduce per gradient as it becomes ready
+        with harness.phase("forward"):
+            loss = model(inputs, targets)
         averaged = wrapper == "DistributedOptimizer"
-        if averaged:
-            optimizer.synchronize()  # ...waits for them (here, so that clipping sees the averaged gradients)
-        norm = harness.clip_gradients(model.parameters(), args.clip_grad)  # (--clip-grad; the norm for the logs)
-        step_lr = run.learning_rate(step) * world_size  # --lr-schedule, --warmup-steps; x world size, as --lr
-        harness.set_learning_rate(optimizer, step_lr)
-        with optimizer.skip_synchronize() if averaged else contextlib.nullcontext():
-            optimizer.step()
+        with harness.phase("backward"):
+            loss.backward()  # DistributedOptimizer starts an all-reduce per gradient as it becomes ready
+            if averaged:
+                optimizer.synchronize()  # ...waits for them (here, so that clipping sees the averaged gradients)
+        with harness.phase("optimizer"):
+            norm = harness.clip_gradients(model.parameters(), args.clip_grad)  # (--clip-grad; the norm for the logs)
+            step_lr = run.learning_rate(step) * world_size  # --lr-schedule, --warmup-steps; x world size, as --lr
+            harness.set_learning_rate(optimizer, step_lr)
+            with optimizer.skip_synchronize() if averaged else contextlib.nullcontext():
+                optimizer.step()
         global_loss = float(hvd.allreduce(loss.detach(), op=hvd.Average)) if world_size > 1 else float(loss.detach())
         metrics.log_step(step, global_loss, global_batch, run.step_time(), step_lr, grad_norm=norm)
         if run.eval_due(step):

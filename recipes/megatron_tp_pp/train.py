@@ -347,13 +347,15 @@ def main(argv: list[str] | None = None) -> int:
         chunk.train()
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch, dp_rank,
                                    layout.dp, device)  # (--data-workers: read ahead)
-    for step, (inputs, targets) in zip(run.steps(), batches):
+    for step, (inputs, targets) in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
         for chunk in model_chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         harness.set_learning_rate(optimizer, run.learning_rate(step))  # --lr-schedule, --warmup-steps
-        step_loss = run_schedule(inputs, targets, forward_only=False)
-        update_successful, grad_norm, _ = optimizer.step()
+        with harness.phase("forward-backward"):  # megatron's schedule: every micro-batch, its p2p and grad sync
+            step_loss = run_schedule(inputs, targets, forward_only=False)
+        with harness.phase("optimizer"):
+            update_successful, grad_norm, _ = optimizer.step()
         if not update_successful:
             raise RuntimeError(f"step {step}: the optimizer skipped the update (grad norm {grad_norm})")
         if not grad_norm:  # megatron computes the global norm only to clip: the norm of the gradients applied

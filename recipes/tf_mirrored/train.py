@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_optimizer_option(p)
     keras_model.add_model_options(p)
     harness.add_schedule_options(p)  # --lr-schedule, --warmup-steps, --clip-grad (of the all-reduced gradients)
-    return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False)
+    return harness.parse_recipe_args(p, RECIPE, argv, collective_timeout=False, profile=False)
 
 
 def validate(args: argparse.Namespace, processes: int) -> None:
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     run = harness.TrainingRun(RECIPE, args, 0, start_step)
     # --data: synthetic or a token file, read one step ahead (tf.data)
     batches = harness.tf_step_batches(args, range(start_step + 1, args.max_steps + 1), args.global_batch)
-    for step, (inputs, targets) in zip(run.steps(), batches):
+    for step, (inputs, targets) in run.steps(batches):  # (the wait for each batch timed apart)
         lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
         optimizer.learning_rate = lr
         loss, norm = train_step(*replica_rows(inputs, targets))

@@ -140,3 +140,16 @@ find_on_library_path() {
     done
     return 1
 }
+
+# HPCML_NSYS=1 (runtime.sh) records the steps of the recipe's --profile and writes to RUN_DIR/nsys.
+check_nsys() {
+    local runtime=$1
+    shift
+    [[ ${HPCML_NSYS:-0} == 1 ]] || return 0
+    [[ " $* " == *" --profile "* || " $* " == *" --profile="* ]] ||
+        launch_error "HPCML_NSYS=1 captures the steps of the recipe's --profile START:END: add it (e.g. --profile 10:12)"
+    [[ -n ${RUN_DIR:-} ]] || launch_error "HPCML_NSYS=1 writes its reports to RUN_DIR/nsys: set RUN_DIR"
+    if [[ $runtime == none && ${LAUNCH_DRY_RUN:-0} != 1 ]] && ! command -v nsys >/dev/null 2>&1; then
+        launch_error "HPCML_NSYS=1 but nsys is not on PATH of $(hostname) (on Perlmutter: module load cudatoolkit)"
+    fi
+}

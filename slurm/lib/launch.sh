@@ -40,6 +40,8 @@
 #                      node; empty: none)
 #   HPCML_GPU_ORDER    the GPU each local rank drives, e.g. 3,2,1,0 (default on Perlmutter: each rank next
 #                      to its cores); empty: local rank l drives GPU l
+#   HPCML_NSYS=1       each rank under Nsight Systems for the steps of the recipe's --profile START:END
+#                      (GPU only; nsys in the image): RUN_DIR/nsys/rank<R>.nsys-rep
 #   LAUNCH_DRY_RUN=1   print the srun command instead of running it (no checks that need the runtime)
 #   LAUNCH_PREFLIGHT=0 skip the recipe's own check (python RECIPE --preflight WORLD_SIZE) before srun
 #   LAUNCH_PREFLIGHT_ONLY=1  run every check, then stop before srun (slurm/preflight.sh sets it)
@@ -127,6 +129,7 @@ launch_recipe() {
     [[ -z ${RUN_DIR:-} || $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
     check_data_path "$runtime" "$@"
     check_model_paths "$runtime" "$@"
+    check_nsys "$runtime" "$@"
     [[ $runtime != none || ${LAUNCH_DRY_RUN:-0} == 1 ]] || check_bare_python
     local created_run_dir=0
     if [[ -n ${RUN_DIR:-} ]]; then
@@ -180,6 +183,7 @@ launch_recipe() {
     fi
 
     [[ -z ${TORCH_FR_DUMP_TEMP_FILE:-} ]] || mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"
+    [[ ${HPCML_NSYS:-0} != 1 ]] || mkdir -p "$RUN_DIR/nsys"
     local status=0
     without_run_dir_lock "${command[@]}" || status=$?
     if ((status == 0)) && [[ -n ${RUN_DIR:-} && -f $RUN_DIR/stopped_by_signal ]]; then

@@ -117,7 +117,13 @@ build_command() {
         cmd+=("${image#docker:}")
         ;;
     esac
-    cmd+=("${PYTHON:-python3}" "$@")
+    local -a nsys=()
+    # HPCML_NSYS=1: each rank under Nsight Systems, capturing the steps of the recipe's --profile START:END (the
+    # recipe opens and closes the CUDA profiler's range there): RUN_DIR/nsys/rank<R>.nsys-rep (a per-node
+    # launcher: one report per node, its ranks inside). nsys comes from the image (or the node: runtime none).
+    [[ ${HPCML_NSYS:-0} != 1 ]] || nsys=(nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop
+        "--trace=cuda,nvtx,osrt" --force-overwrite=true "--output=$RUN_DIR/nsys/rank%q{SLURM_PROCID}")
+    cmd+=("${nsys[@]}" "${PYTHON:-python3}" "$@")
 }
 
 # The Slingshot NIC devices of this node (Perlmutter: /dev/cxi0 ... /dev/cxi3), for podman-hpc.

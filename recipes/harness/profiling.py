@@ -1,0 +1,101 @@
+"""Where the time and the memory go: --profile START:END, the phases of a step, and the run's peak memory.
+
+- ``--profile START:END`` (PyTorch recipes): torch.profiler records steps START to END (inclusive) on every
+  rank and writes OUT_DIR/profile/rank<R>.pt.trace.json, a Chrome trace that Perfetto (ui.perfetto.dev)
+  and TensorBoard's PyTorch profiler plugin read. On a GPU, the same steps are the capture range of Nsight
+  Systems (cudaProfilerStart/Stop: slurm/lib/runtime.sh's HPCML_NSYS=1 wraps each rank in `nsys profile`).
+- ``phase(name)``: a named range around part of a step ("forward", "backward", "optimizer"), seen in the
+  trace and, on a GPU, as an NVTX range in Nsight Systems. Costs nothing measurable when nothing records.
+- ``peak_memory()``: this process's peak resident memory (CPU) and, on a GPU, PyTorch's peak allocated and
+  reserved memory, for metrics.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from pathlib import Path
+
+from .errors import ConfigError
+
+
+def profile_steps(args) -> tuple[int, int] | None:
+    """--profile START:END as (START, END), checked against --max-steps; None without --profile."""
+    text = getattr(args, "profile", None)
+    if not text:
+        return None
+    start, _, end = str(text).partition(":")
+    if not (start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
+        raise ConfigError(f"--profile {text}: give the first and last step to record, START:END with "
+                          f"1 <= START <= END (e.g. --profile 3:5; the first steps include warm-up)")
+    if int(start) > args.max_steps:
+        raise ConfigError(f"--profile {text} starts after the last step (--max-steps {args.max_steps})")
+    return int(start), int(end)
+
+
+def _cuda():
+    """torch.cuda, where this process uses it (nothing is imported or initialised here for a CPU run)."""
+    torch = sys.modules.get("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """A named range of the step: a record_function for torch.profiler, and an NVTX range on a GPU."""
+    import torch
+
+    cuda = _cuda()
+    if cuda is not None:
+        cuda.nvtx.range_push(name)
+    try:
+        with torch.profiler.record_function(name):
+            yield
+    finally:
+        if cuda is not None:
+            cuda.nvtx.range_pop()
+
+
+class StepProfiler:
+    """Records steps START..END of this rank (--profile) and writes its trace when they are done, or when the
+    run ends first (a stop signal, --stop-at-step)."""
+
+    def __init__(self, steps: tuple[int, int], rank: int, out_dir: Path):
+        self.start, self.end = steps
+        self.path = Path(out_dir) / "profile" / f"rank{rank}.pt.trace.json"
+        self._profiler = None
+
+    def step_starts(self, step: int) -> None:
+        if step == self.start:
+            import torch
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if _cuda() is not None:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.profiler.start()  # Nsight Systems' capture range (HPCML_NSYS=1)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.start()
+
+    def step_ends(self, step: int) -> None:
+        if step == self.end:
+            self.close()
+
+    def close(self) -> Path | None:
+        """Stop and write the trace (if recording); its path, once written."""
+        if self._profiler is not None:
+            self._profiler.stop()
+            if _cuda() is not None:
+                _cuda().profiler.stop()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(str(self.path))
+            self._profiler = None
+        return self.path if self.path.exists() else None
+
+
+def peak_memory() -> dict:
+    """This process's peak memory in bytes: resident (CPU, getrusage) and, on a GPU, PyTorch's allocator."""
+    peak = {"cpu_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # (Linux: KiB)
+    cuda = _cuda()
+    if cuda is not None:
+        peak.update(gpu_allocated_bytes=cuda.max_memory_allocated(), gpu_reserved_bytes=cuda.max_memory_reserved())
+    return peak

@@ -1,0 +1,108 @@
+"""Where the time and the memory go (recipes/harness/profiling.py): --profile START:END writes a torch.profiler
+trace per rank of exactly those steps, with the recipe's phases and its collectives; every run's metrics.json
+records its peak memory and the data loader's share of the step time, which a slow dataset must raise.
+HPCML_NSYS=1 (Nsight Systems around each rank) is the launcher's: tests/test_launch.py, as a dry run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.curves import read_metrics
+from support.runs import assert_ok, REPO, run, recipe_env, run_recipe, tf_single, TINY
+
+RECIPES = REPO / "recipes"
+SHORT = [*TINY, "--global-batch", "8", "--checkpoint-every", "0", "--no-resume"]
+
+
+def trace_names(path: Path) -> list[str]:
+    """The names of the events of a Chrome trace (what Perfetto and TensorBoard show)."""
+    return [event.get("name", "") for event in json.loads(path.read_text())["traceEvents"]]
+
+
+def test_a_profiled_run_writes_a_trace_per_rank_of_exactly_those_steps(tmp_path):
+    """DDP on 2 ranks, --profile 2:3 of 5 steps: rank<R>.pt.trace.json for both ranks, with the recipe's
+    phases once per profiled step (2 forwards, not 5: the range is the one asked for) and the gradients'
+    all-reduce; metrics.json says where rank 0's trace is, its peak memory and the data loader's share."""
+    result = run_recipe(RECIPES / "ddp" / "train.py", tmp_path, 2, *SHORT, "--max-steps", "5", "--profile", "2:3")
+    assert_ok(result)
+    for rank in (0, 1):
+        names = trace_names(tmp_path / "profile" / f"rank{rank}.pt.trace.json")
+        assert names.count("forward") == 2 and names.count("backward") == 2 and names.count("optimizer") == 2, rank
+        assert "c10d::allreduce_" in names or "gloo:all_reduce" in names, sorted(set(names))[:50]
+    metrics = read_metrics(tmp_path)
+    assert metrics["profile_trace"] == str(tmp_path / "profile" / "rank0.pt.trace.json")
+    assert metrics["peak_memory"]["cpu_rss_bytes"] > 50e6 and "gpu_allocated_bytes" not in metrics["peak_memory"]
+    assert 0 < metrics["data_wait_s"] < metrics["step_time_s"] and 0 < metrics["data_wait_share"] < 1
+
+
+PHASES = {  # recipe -> (ranks, options, the phases its trace must name)
+    "accelerate": (1, [], {"forward", "backward", "optimizer"}),
+    "deepspeed": (1, ["--zero-stage", "0"], {"forward", "backward", "optimizer"}),
+    "fsdp_tp_pp": (1, ["--tp", "1"], {"forward", "backward", "optimizer"}),
+    "fsdp_tp_pp-pipeline": (2, ["--tp", "1", "--pp", "2", "--micro-batches", "2"], {"pipeline-step", "optimizer"}),
+    "megatron_tp_pp": (1, [], {"forward-backward", "optimizer"}),
+}
+
+
+@pytest.mark.parametrize("name", PHASES)
+def test_every_pytorch_recipe_names_its_phases(name, tmp_path):
+    ranks, options, phases = PHASES[name]
+    recipe = RECIPES / name.split("-")[0] / "train.py"
+    model = ["--seq-len", "32", "--log-every", "1"] if name == "megatron_tp_pp" else TINY
+    result = run_recipe(recipe, tmp_path, ranks, *model, "--global-batch", "8", "--checkpoint-every", "0",
+                        "--max-steps", "2", "--profile", "2:2", *options)
+    assert_ok(result)
+    names = set(trace_names(tmp_path / "profile" / "rank0.pt.trace.json"))
+    assert phases <= names, sorted(names)[:80]
+
+
+@pytest.mark.tensorflow
+def test_horovod_torch_names_its_phases(tmp_path):
+    result = tf_single(RECIPES / "horovod" / "train_torch.py", tmp_path, *TINY, "--max-steps", "2", "--checkpoint-every", "0",
+                       "--profile", "1:2")
+    assert_ok(result)
+    names = trace_names(tmp_path / "profile" / "rank0.pt.trace.json")
+    assert names.count("forward") == 2 and {"backward", "optimizer"} <= set(names)
+
+
+SLOW_DATASET = """
+import time, torch
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        time.sleep(0.01)  # a slow file system: 10 ms an item
+        tokens = torch.arange(33) % 7 + i % 5
+        return tokens[:-1], tokens[1:]
+def build(args, split):
+    return Slow()
+"""
+
+
+def test_the_data_loaders_share_of_the_step_is_measured(tmp_path):
+    """A dataset that takes 10 ms an item (80 ms a step of 8 rows, read in the training process) against the
+    synthetic tokens: its share of the step time must be most of it, the synthetic one's small."""
+    (tmp_path / "slow.py").write_text(SLOW_DATASET)
+    common = [*SHORT, "--max-steps", "4", "--data-workers", "0", "--eval-every", "0"]
+    assert_ok(run_recipe(RECIPES / "ddp" / "train.py", tmp_path / "slow", 1, *common, "--dataset", f"{tmp_path / 'slow.py'}:build"))
+    assert_ok(run_recipe(RECIPES / "ddp" / "train.py", tmp_path / "fast", 1, *common))
+    slow, fast = read_metrics(tmp_path / "slow")["data_wait_share"], read_metrics(tmp_path / "fast")["data_wait_share"]
+    assert slow > 0.5 and fast < 0.2, (slow, fast)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("3:2", "--profile 3:2: give the first and last step to record, START:END with 1 <= START <= END"),
+    ("3", "--profile 3: give the first and last step"),
+    ("0:2", "--profile 0:2: give the first and last step"),
+    ("7:8", "--profile 7:8 starts after the last step (--max-steps 5)"),
+])
+def test_a_profile_range_that_cannot_be_recorded_is_one_line(tmp_path, value, message):
+    result = run([sys.executable, str(RECIPES / "ddp" / "train.py"), "--out-dir", str(tmp_path), "--max-steps", "5",
+                  "--profile", value, "--preflight", "2"], env=recipe_env(), timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[ddp] error: ") and message in lines[0], result.stderr
