@@ -32,6 +32,7 @@ TABLE = tomllib.loads(PARITY_TABLE.read_text())
 RECIPES = {"ddp": "ddp/train.py", "accelerate": "accelerate/train.py", "deepspeed": "deepspeed/train.py",
            "megatron_tp_pp": "megatron_tp_pp/train.py", "fsdp_tp_pp": "fsdp_tp_pp/train.py",
            "horovod": "horovod/train.py", "horovod_torch": "horovod/train_torch.py", "tf_mirrored": "tf_mirrored/train.py"}
+LAUNCHERS = ("torchrun", "accelerate", "horovodrun", "mpiexec", "devices")
 IN_VENV_TF = {"horovod", "horovod_torch", "tf_mirrored"}  # TensorFlow and Horovod: .venv-tf (`make venv-tf`)
 EXPORT_READS = {"fsdp_tp_pp": "read a DCP checkpoint (fsdp_tp_pp)",
                 "deepspeed": "read a DeepSpeed ZeRO checkpoint"}  # what recipes/export_hf.py says it read
@@ -63,8 +64,9 @@ def launch(row: dict, out_dir: Path, args: list[str], **env: str):
         assert TF_PYTHON.exists() and (VENV_TF / ".installed").exists(), \
             "no .venv-tf: run `make venv-tf` (make test does), which builds the horovod image for its Horovod wheel"
     if launcher == "single":
-        single = tf_single if row["recipe"] in IN_VENV_TF else (lambda r, o, *a, **e: run_recipe(r, o, 1, *a, **e))
-        return single(recipe, out_dir, *args, **env)
+        if row["recipe"] in IN_VENV_TF:
+            return tf_single(recipe, out_dir, *args, **env)
+        return run_recipe(recipe, out_dir, 1, *args, **env)
     if launcher == "devices":
         return tf_single(recipe, out_dir, *args, "--devices", str(ranks), **env)
     if launcher == "torchrun":
@@ -150,6 +152,7 @@ def test_the_table_is_what_the_tests_use():
     assert all(row["reference"] in TABLE["reference"] for row in TABLE["layouts"])
     for row in [*TABLE["layouts"], *TABLE["reference"].values()]:
         assert row["recipe"] in RECIPES, row
+        assert row.get("launcher", "torchrun") in LAUNCHERS, row
         expand(row["args"], {"tiny_llama": "", "fields_file": ""})  # every "@set" exists
     # every control breaks a kind of parallelism the recipe has a layout for, proven in the same table
     proven = {(row["recipe"], row["reference"]) for row in TABLE["layouts"] if "fault" not in row}
