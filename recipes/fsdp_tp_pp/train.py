@@ -16,6 +16,9 @@ node, FSDP across.
     torchrun --standalone --nproc_per_node=2 recipes/fsdp_tp_pp/train.py --tp 1 --pp 2 --n-layer 4 \\
         --pp-schedule Interleaved1F1B --pp-virtual 2                                            # interleaved
 
+    # will it fit? one CPU process, no GPU: the per-GPU memory of this layout on 32 ranks, against an A100-40
+    python recipes/fsdp_tp_pp/train.py --estimate-memory a100-40 --world 32 --tp 4 --n-layer 48 --n-embd 6144 --n-head 48
+
     # Perlmutter (4 A100 per node): 2 nodes = TP 4 x FSDP 2; 8 nodes with a pipeline = TP 4 x PP 2 x FSDP 4
     sbatch slurm/fsdp_tp_pp.sh
     sbatch -N 8 slurm/fsdp_tp_pp.sh --pp 2 --n-layer 24 --n-embd 2048 --n-head 16
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import sys
 import warnings
@@ -82,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU speed; slow to start)")
+    g = p.add_argument_group("will it fit (one CPU process, no GPU needed)")
+    g.add_argument("--estimate-memory", metavar="GPU", default=None,
+                   help="report the per-GPU memory of this layout on --world ranks and whether it fits on GPU: "
+                        "a100-40, a100-80, h100 or h200 (exit 1 when it does not)")
+    g.add_argument("--world", type=int, default=None,
+                   help="the ranks of the job to estimate; without it, --estimate-memory measures the launched run")
+    g.add_argument("--estimate-json", type=Path, default=None, help="also write the estimate to this JSON file")
     harness.add_schedule_options(p)
     return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True)
 
@@ -139,12 +150,105 @@ def save_dcp(state: dict, path: Path, world_size: int) -> None:
         dcp.save(state, checkpoint_id=str(path), no_dist=world_size == 1)
 
 
+def build_stages(args: argparse.Namespace, spec: harness.ModelSpec, layout: parallelize.Layout, mesh, pp_rank: int,
+                 device: torch.device, dtype: torch.dtype):
+    """This rank's part of the model, parallelised, and its optimizers: (model size, [(stage index, module)],
+    the stage modules, their TP plans, their optimizers). The full model is built from --seed on every rank;
+    this rank keeps its stages, then TP cuts them, then FSDP2 shards them."""
+    torch.manual_seed(args.seed)
+    full = spec.build()
+    size = harness.model_size(full)
+    # [(stage index, module)]: the GPT's stages of this PP rank; your model is one stage (no pipeline)
+    local = parallelize.local_stages(full, layout, pp_rank) if spec.name == "gpt" else [(0, full)]
+    stages = [stage if device.type == "cpu" else stage.to(device) for _, stage in local]  # (fake tensors: no .to)
+    del full
+    plans = [parallelize.tensor_parallel_plan(stage) if layout.tp > 1 else {} for stage in stages]
+    for stage, plan in zip(stages, plans):
+        if layout.tp > 1:
+            parallelize.apply_tensor_parallel(stage, mesh["tp"], plan)
+        units = parallelize.fsdp_units(stage)  # the blocks (decoder layers)
+        for block in units:
+            if args.activation_checkpointing:
+                forward = block.forward
+                block.forward = lambda *inputs, forward=forward, **options: torch.utils.checkpoint.checkpoint(
+                    forward, *inputs, use_reentrant=False, **options)
+            if args.compile:
+                block.compile()
+        if layout.fsdp:
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+            parallelize.apply_fsdp(stage, units, dp_mesh, dtype if dtype != torch.float32 else None)
+    make_optimizer = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0),
+                      "sgd": lambda ps: torch.optim.SGD(ps, lr=args.lr)}[args.optimizer]
+    optimizers = [make_optimizer([p for p in stage.parameters() if p.requires_grad]) for stage in stages]
+    return size, local, stages, plans, optimizers
+
+
+def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
+    """--estimate-memory GPU: rank 0's memory in the layout of --world ranks (harness/memory.py), from one
+    process on fake tensors. Without --world, the launched run (one process, or torchrun's ranks) tracks its
+    own real tensors instead: the measured peak an estimate is checked against. The dtype is the GPU's
+    (--dtype auto: bf16)."""
+    env = harness.detect_dist_env()
+    measured = args.world is None
+    if not measured and env.world_size > 1:
+        raise harness.ConfigError(f"--world {args.world} on a launched world of {env.world_size} ranks: estimate from one "
+                                  "process (python, not torchrun), or leave --world out to measure this run")
+    world = env.world_size if measured else args.world
+    layout = validate(args, world, spec)
+    if layout.pp > 1:
+        raise harness.ConfigError("--estimate-memory with --pp: not yet (a pipeline holds several micro-batches in "
+                                  "flight); estimate one stage's share with --pp 1 and --n-layer N_LAYER/PP")
+    capacity = harness.memory.gpu_memory(args.estimate_memory)  # (a GPU name it knows, before any work)
+    if measured:
+        device, _ = harness.setup_torch_distributed(env, args.timeout_s)
+        torch.manual_seed(args.seed)
+    else:
+        device = torch.device("cpu")
+        harness.memory.fake_process_group(world)
+    mesh = parallelize.build_mesh(layout, device)
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    rows = args.global_batch // layout.dp
+    with harness.memory.fake_tensors(not measured):
+        _, _, stages, _, optimizers = build_stages(args, spec, layout, mesh, 0, device, dtype)
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32 and not layout.fsdp)
+
+        def train_step() -> None:
+            inputs = torch.randint(0, args.vocab_size, (rows, args.seq_len), device=device)
+            with autocast:
+                logits_or_loss = stages[0](inputs) if spec.name == "gpt" else stages[0](inputs, inputs)
+                loss = cross_entropy(logits_or_loss, inputs) if spec.name == "gpt" else logits_or_loss
+            loss.backward()
+            optimizers[0].step()
+            optimizers[0].zero_grad(set_to_none=True)
+
+        peak = harness.memory.tracked_peak(stages[0], optimizers[0], train_step, fsdp=layout.fsdp)
+    shape = " x ".join(f"{name} {size}" for name, size in layout.mesh_shape().items() if size > 1) or "one rank"
+    code = 0
+    if env.rank == 0:
+        code = harness.memory.report(
+            RECIPE, peak, args.estimate_memory, f"{shape} ({world} ranks), {rows} rows of {args.seq_len} tokens per "
+            f"rank, {str(dtype).removeprefix('torch.')}, {args.optimizer}", measured,
+            harness.memory.advice(peak, layout.dp_shard * layout.tp, world, args.activation_checkpointing))
+        if layout.fsdp and layout.tp > 1 and not measured:
+            print(f"[{RECIPE}] (FSDP2 x TP on fake tensors: the total is the real run's; its split between parameters "
+                  "and activations is approximate)", flush=True)
+        if args.estimate_json:
+            args.estimate_json.write_text(json.dumps({"world": world, "layout": layout.mesh_shape(), "rows": rows,
+                                                      "gpu": args.estimate_memory, "gpu_bytes": capacity,
+                                                      "measured": measured, "peak_bytes": peak}, indent=1) + "\n")
+    if measured and world > 1:
+        harness.leave_process_group()
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_cfg = GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd, tie_embeddings=False)
     # the stack's GPT, or --model hf:DIR (a Hugging Face model) or MODULE:FACTORY (yours): harness/model.py
     spec = harness.model_spec(args, gpt=GPT, gpt_config=model_cfg)
     is_gpt = spec.name == "gpt"
+    if args.estimate_memory:  # will it fit: the memory of a layout, without its GPUs
+        return estimate_memory(args, spec)
     must_match = {**spec.identity, "global_batch": args.global_batch,  # any layout may resume
                   **harness.schedule_identity(args)}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
@@ -172,36 +276,12 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     # ---- model: the full model from the seed on every rank; this rank keeps its stages, then TP, then FSDP2
-    torch.manual_seed(args.seed)
-    full = spec.build()
-    size = harness.model_size(full)
-    # [(stage index, module)]: the GPT's stages of this PP rank; your model is one stage (no pipeline)
-    local = parallelize.local_stages(full, layout, coordinate["pp"]) if is_gpt else [(0, full)]
-    stages = [stage.to(device) for _, stage in local]
-    del full
-    plans = [parallelize.tensor_parallel_plan(stage) if layout.tp > 1 else {} for stage in stages]
-    for stage, plan in zip(stages, plans):
-        if layout.tp > 1:
-            parallelize.apply_tensor_parallel(stage, mesh["tp"], plan)
-        units = parallelize.fsdp_units(stage)  # the blocks (decoder layers)
-        for block in units:
-            if args.activation_checkpointing:
-                forward = block.forward
-                block.forward = lambda *inputs, forward=forward, **options: torch.utils.checkpoint.checkpoint(
-                    forward, *inputs, use_reentrant=False, **options)
-            if args.compile:
-                block.compile()
-        if layout.fsdp:
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-            parallelize.apply_fsdp(stage, units, dp_mesh, dtype if dtype != torch.float32 else None)
+    size, local, stages, plans, optimizers = build_stages(args, spec, layout, mesh, coordinate["pp"], device, dtype)
     # Frameworks fall back to no parallelism silently: check every parameter's DTensor mesh and placements.
     placements = parallelize.placements(stages, layout, plans)
     if mesh is not None:
         assert tuple(mesh.shape) == tuple(layout.mesh_shape().values()) and dist.get_world_size() == env.world_size
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32 and not layout.fsdp)
-    make_optimizer = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0),
-                      "sgd": lambda ps: torch.optim.SGD(ps, lr=args.lr)}[args.optimizer]
-    optimizers = [make_optimizer([p for p in stage.parameters() if p.requires_grad]) for stage in stages]
 
     def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One batch's loss without a pipeline: the GPT's logits against the targets; your model's own."""

@@ -34,7 +34,7 @@ from .cli import (
     parse_args_with_config, parse_recipe_args, preflight_line, require_at_least_one, require_divisible,
     require_positive, validate_run,
 )
-from . import faults
+from . import faults, memory
 from .errors import ConfigError, stderr_line
 from .data import (numpy_batches, numpy_token_batch, step_batches, SyntheticTokens, tf_step_batches, TokenFileData,
                    training_data, validation_data)
@@ -52,7 +52,7 @@ from .run import clip_gradients, learning_rate, set_learning_rate, torch_optimiz
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
 __all__ = [
-    "faults",
+    "faults", "memory",
     "add_data_options", "add_model_options", "add_optimizer_option", "add_run_options", "add_schedule_options",
     "clip_gradients", "learning_rate", "schedule_identity", "set_learning_rate",
     "all_hostnames", "atomic_write_bytes",

@@ -1,0 +1,144 @@
+"""Will it fit: the per-GPU memory of a layout, from one CPU process, without the GPUs (--estimate-memory GPU).
+
+The recipe builds its own model and parallelism for rank 0 of a world of --world ranks on a fake process group
+(collectives do nothing) with fake tensors (shapes and dtypes, no storage), and runs two training steps under
+PyTorch's memory tracker (torch.distributed._tools: FSDPMemTracker for FSDP2, MemTracker otherwise), which
+counts every tensor by what it is. The peak, by kind: parameters, gradients, optimizer state, activations
+(with the temporaries of backward), and FSDP's communication buffers. Launched for real (torchrun, N ranks),
+the same code tracks the real tensors instead: the measured peak the estimate is checked against
+(tests/test_memory.py).
+
+What it leaves out, and why the verdict keeps 10% of the GPU free: the CUDA context and kernels (~0.5-1 GB),
+NCCL's buffers, the caching allocator's fragmentation. On a GPU, `torch.cuda.max_memory_allocated` is the
+number to compare with (bench/gpu_check.py records it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+from .errors import ConfigError
+
+# What nvidia-smi reports as each GPU's memory, in MiB.
+GPU_MEMORY_MIB = {"a100-40": 40960, "a100-80": 81920, "h100": 81559, "h200": 143771}
+USABLE = 0.9  # the share a run can count on; the rest: CUDA context, NCCL buffers, fragmentation
+
+
+def gpu_memory(name: str) -> int:
+    """The memory of the GPU called ``name`` (--estimate-memory), in bytes."""
+    if name not in GPU_MEMORY_MIB:
+        raise ConfigError(f"--estimate-memory {name}: name the GPU, one of {', '.join(GPU_MEMORY_MIB)}")
+    return GPU_MEMORY_MIB[name] * 2**20
+
+
+def fake_process_group(world_size: int) -> None:
+    """Rank 0 of a world of ``world_size`` ranks whose collectives do nothing (PyTorch's "fake" backend)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+@contextlib.contextmanager
+def fake_tensors(enabled: bool):
+    """Tensors with shapes and dtypes but no storage (FakeTensorMode), or real ones (``enabled`` False).
+
+    A DeviceMesh computes its coordinates from a tensor of rank numbers, which a fake tensor does not hold:
+    FSDP2 over TP builds one (the DP and TP meshes joined) while it shards, so that step runs on real
+    tensors (a few integers)."""
+    if not enabled:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = DeviceMesh._concatenate
+
+    def on_real_tensors(meshes):
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+
+    DeviceMesh._concatenate = staticmethod(on_real_tensors)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concatenate)
+
+
+KINDS = {  # the tracker's kinds of tensor, by what the report calls them
+    "parameters": ("Parameter", "Buffer", "Sharded Param", "Unsharded Param"),
+    "gradients": ("Gradient", "Sharded Grad", "Unsharded Grad"),
+    "optimizer state": ("Optstate", "OptState"),
+    "activations": ("Activation", "Temp", "Inputs", "Other"),
+    "communication buffers": ("All Gather", "Reduce Scatter"),
+}
+
+
+def tracked_peak(module, optimizer, train_step: Callable[[], None], fsdp: bool, steps: int = 2) -> dict[str, int]:
+    """The peak of ``steps`` calls of ``train_step`` (forward, backward, optimizer step) under the memory
+    tracker, by kind of tensor (KINDS) and in total, in bytes. Two steps: the optimizer state exists from the
+    first step on, and the second step's peak holds it."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if fsdp:
+        tracker = FSDPMemTracker(module, optimizer)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(module, optimizer)
+    with tracker:
+        for _ in range(steps):
+            train_step()
+            tracker.reset_mod_stats()  # (the tracker counts one iteration of each module's hooks at a time)
+    (snapshot,) = tracker.get_tracker_snapshot("peak").values()  # one device
+    by_name = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
+    peak = {label: sum(by_name.get(name, 0) for name in names) for label, names in KINDS.items()}
+    peak["total"] = by_name["Total"]
+    # The optimizer state is held from the first step on, through the second step's peak. On fake tensors with
+    # FSDP2 over TP the tracker counts it under other kinds (measured: the total within 1% of the real run's, but
+    # its optimizer state 0 of 1.1 MB): it is counted from the optimizer itself, and taken from the activations,
+    # the kind the tracker's remainder falls into, so that the kinds still add up to the (right) total.
+    held = optimizer_state_bytes(optimizer)
+    if held > peak["optimizer state"]:
+        peak["activations"] = max(0, peak["activations"] - (held - peak["optimizer state"]))
+        peak["optimizer state"] = held
+    return peak
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """The bytes of this rank's optimizer state (a DTensor's: its local shard)."""
+    import torch
+
+    tensors = [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+    local = [getattr(tensor, "_local_tensor", tensor) for tensor in tensors]
+    return sum(tensor.numel() * tensor.element_size() for tensor in local if tensor.dim() > 0)  # (not the step counts)
+
+
+def report(recipe: str, peak: dict[str, int], gpu: str, layout: str, measured: bool, advice: list[str]) -> int:
+    """Print the per-GPU memory by kind against ``gpu``'s, whether it fits and, if not, what to change
+    (``advice``, the recipe's, most useful first); 0 when it fits, 1 when it does not."""
+    capacity = gpu_memory(gpu)
+    how = "measured (real tensors, tracked)" if measured else "estimated on one CPU process (fake tensors)"
+    print(f"[{recipe}] memory per GPU, {layout}: {how}")
+    for label in KINDS:
+        print(f"[{recipe}]   {label:<22} {peak[label] / 2**30:9.3f} GiB")
+    print(f"[{recipe}]   {'total at the peak':<22} {peak['total'] / 2**30:9.3f} GiB of {capacity / 2**30:.1f} GiB ({gpu}; "
+          f"{USABLE:.0%} usable: {USABLE * capacity / 2**30:.1f} GiB)")
+    fits = peak["total"] <= USABLE * capacity
+    print(f"[{recipe}] {'fits' if fits else 'does not fit'} on {gpu}"
+          + ("" if fits else ": " + "; or ".join(advice)), flush=True)
+    return 0 if fits else 1
+
+
+def advice(peak: dict[str, int], sharded_over: int, ranks: int, activation_checkpointing: bool) -> list[str]:
+    """What to change when it does not fit, the largest kind of memory first."""
+    states = peak["parameters"] + peak["gradients"] + peak["optimizer state"]
+    shard = [f"shard the model over more ranks (parameters, gradients and optimizer state are split over "
+             f"{sharded_over} of {ranks}: --dp-shard, or --tp within a node)"] if sharded_over < ranks else [
+        "more ranks (--world: each holds 1/N of the model's states)"]
+    smaller = ([] if activation_checkpointing else ["--activation-checkpointing (recompute each block's activations "
+                                                    "in backward)"]) + [
+        "fewer rows per rank (a smaller --global-batch, or more data-parallel ranks)"]
+    return shard + smaller if states >= peak["activations"] else smaller + shard

@@ -1,0 +1,93 @@
+"""Will it fit (recipes/harness/memory.py, recipes/fsdp_tp_pp --estimate-memory GPU --world N): the estimate
+made on one CPU process with fake tensors and a fake process group is the peak a real run of that layout
+tracks, kind by kind; sharding divides the model's states; a layout that does not fit says so (exit 1) and
+what to change; bad input is one line.
+
+Measured: in 5 layouts (one process, FSDP2 2, TP 2, HSDP 2 x 2, FSDP2 x TP 2 x 2) the estimate and the real
+run's tracked peak agree within the tolerance below, in total and kind by kind (FSDP2 x TP: the total and the
+optimizer state; the split of the rest between parameters and activations is approximate there). They are
+the same code on fake and on real tensors, with fake and real collectives. What neither sees (the CUDA
+context, NCCL's buffers, the allocator's fragmentation) is why the verdict keeps 10% of the GPU free; on a
+GPU, bench/gpu_check.py records torch.cuda.max_memory_allocated for the comparison (not yet run on a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from support.runs import assert_ok, REPO, recipe_env, run, run_recipe
+
+RECIPE = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
+MODEL = ["--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--global-batch", "8",
+         "--dtype", "float32"]
+TOLERANCE = 0.05  # of the measured total, for the total and for each kind
+LAYOUTS = {  # name: (ranks, options)
+    "one-process": (1, ["--tp", "1"]),
+    "fsdp2": (2, ["--tp", "1", "--dp-shard", "2"]),
+    "tp2": (2, ["--tp", "2"]),
+    "hsdp-2x2": (4, ["--tp", "1", "--dp-replicate", "2", "--dp-shard", "2"]),
+    "fsdp2xtp2": (4, ["--tp", "2", "--dp-shard", "2"]),
+}
+
+
+def estimate(tmp_path, name: str, ranks: int, options: list[str], gpu: str = "a100-40", model=MODEL):
+    """(exit code, stdout, the JSON report) of an estimate from one process for ``ranks`` ranks."""
+    out = tmp_path / f"{name}.json"
+    result = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path / "run"), *model, *options, "--estimate-memory", gpu,
+                  "--world", str(ranks), "--estimate-json", str(out)], env=recipe_env(), timeout=300)
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    return result.returncode, result.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_the_estimate_from_one_process_is_the_peak_a_real_run_tracks(name, tmp_path):
+    ranks, options = LAYOUTS[name]
+    code, stdout, estimated = estimate(tmp_path, name, ranks, options)
+    assert code == 0 and "estimated on one CPU process (fake tensors)" in stdout and "fits on a100-40" in stdout
+    measured_json = tmp_path / "measured.json"
+    assert_ok(run_recipe(RECIPE, tmp_path / "real", ranks, *MODEL, *options, "--estimate-memory", "a100-40",
+                         "--estimate-json", str(measured_json)))
+    measured = json.loads(measured_json.read_text())
+    assert measured["measured"] and not estimated["measured"]
+    assert measured["layout"] == estimated["layout"] and measured["world"] == estimated["world"] == ranks
+    total = measured["peak_bytes"]["total"]
+    assert total > 1e6  # (a peak worth comparing: MiBs of activations and states)
+    assert abs(estimated["peak_bytes"]["total"] - total) <= TOLERANCE * total, (estimated["peak_bytes"], measured["peak_bytes"])
+    # Kind by kind; FSDP2 x TP on fake tensors: the optimizer state (counted from the optimizer), not the split
+    # of the rest between parameters and activations (harness/memory.py: tracked_peak)
+    kinds = ["optimizer state"] if name == "fsdp2xtp2" else list(measured["peak_bytes"])
+    for kind in kinds:
+        assert abs(estimated["peak_bytes"][kind] - measured["peak_bytes"][kind]) <= TOLERANCE * total, \
+            (kind, estimated["peak_bytes"], measured["peak_bytes"])
+
+
+def test_sharding_divides_the_models_states(tmp_path):
+    """FSDP2 over 4 ranks: each holds a quarter of the parameters' fp32 copy and of Adam's two moments."""
+    _, _, whole = estimate(tmp_path, "whole", 1, ["--tp", "1"])
+    _, _, sharded = estimate(tmp_path, "sharded", 4, ["--tp", "1", "--dp-shard", "4"])
+    ratio = sharded["peak_bytes"]["optimizer state"] / whole["peak_bytes"]["optimizer state"]
+    assert 0.24 <= ratio <= 0.27, ratio  # (a quarter, and the padding of shards that do not divide evenly)
+
+
+def test_a_layout_that_does_not_fit_says_so_and_what_to_change(tmp_path):
+    """A ~1.3B-parameter GPT, whole on one A100-40 with 16 rows of 2048 tokens: the activations alone are
+    far over; the advice starts with what is largest."""
+    big = ["--n-layer", "24", "--n-embd", "2048", "--n-head", "16", "--seq-len", "2048", "--global-batch", "16"]
+    code, stdout, report = estimate(tmp_path, "big", 1, ["--tp", "1"], model=big)
+    assert code == 1 and "does not fit on a100-40: --activation-checkpointing" in stdout, stdout
+    assert report["peak_bytes"]["total"] > 0.9 * report["gpu_bytes"]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--estimate-memory", "v100", "--world", "2"], "--estimate-memory v100: name the GPU, one of a100-40, a100-80, h100, h200"),
+    (["--estimate-memory", "h100", "--world", "3", "--tp", "2"], "world size 3 is not divisible by PP x DP_replicate x TP"),
+    (["--estimate-memory", "h100", "--world", "4", "--tp", "1", "--pp", "2"], "--estimate-memory with --pp: not yet"),
+])
+def test_what_cannot_be_estimated_is_one_line(tmp_path, options, message):
+    result = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), *MODEL, *options], env=recipe_env(), timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[fsdp_tp_pp] error: ") and message in lines[0], \
+        result.stderr
