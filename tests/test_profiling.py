@@ -106,3 +106,14 @@ def test_a_profile_range_that_cannot_be_recorded_is_one_line(tmp_path, value, me
                   "--profile", value, "--preflight", "2"], env=recipe_env(), timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[ddp] error: ") and message in lines[0], result.stderr
+
+
+def test_a_resumed_run_past_the_profiled_steps_names_no_trace(tmp_path):
+    """--profile 1:2, stopped after step 2 and rerun: the first run wrote the trace and names it; the resumed
+    run (steps 3-4) recorded nothing, and metrics.json does not pass the earlier run's trace off as its own."""
+    args = [*TINY, "--global-batch", "8", "--max-steps", "4", "--checkpoint-every", "2", "--profile", "1:2"]
+    assert_ok(run_recipe(RECIPES / "ddp" / "train.py", tmp_path, 1, *args, "--stop-at-step", "2"))
+    assert read_metrics(tmp_path)["profile_trace"] == str(tmp_path / "profile" / "rank0.pt.trace.json")
+    resumed = run_recipe(RECIPES / "ddp" / "train.py", tmp_path, 1, *args)
+    assert_ok(resumed)
+    assert "(step 2)" in resumed.stdout and read_metrics(tmp_path)["profile_trace"] is None

@@ -64,6 +64,7 @@ class StepProfiler:
         self.start, self.end = steps
         self.path = Path(out_dir) / "profile" / f"rank{rank}.pt.trace.json"
         self._profiler = None
+        self.written = False  # (by this run: a resumed run past START writes none, and names none)
 
     def step_starts(self, step: int) -> None:
         if step == self.start:
@@ -81,15 +82,15 @@ class StepProfiler:
             self.close()
 
     def close(self) -> Path | None:
-        """Stop and write the trace (if recording); its path, once written."""
+        """Stop and write the trace (if recording); its path, once this run wrote it."""
         if self._profiler is not None:
             self._profiler.stop()
             if _cuda() is not None:
                 _cuda().profiler.stop()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._profiler.export_chrome_trace(str(self.path))
-            self._profiler = None
-        return self.path if self.path.exists() else None
+            self._profiler, self.written = None, True
+        return self.path if self.written else None
 
 
 def peak_memory() -> dict:
