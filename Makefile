@@ -36,7 +36,7 @@ PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 
 .PHONY: help system-deps venv venv-tf venv-docs site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
 	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
-	bench bench-quick bench-data gpu-check nccl-check
+	bench bench-quick bench-data bench-checkpoint gpu-check nccl-check
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -163,6 +163,11 @@ bench-quick: venv
 # against the DDP recipe's training throughput (runs/bench-data/data_loader.json). DATA=PREFIX: your data.
 bench-data: venv
 	OMP_NUM_THREADS=1 $(PY) bench/data_loader.py --out runs/bench-data $(if $(DATA),--data $(DATA))
+
+# How long a checkpoint holds training up, written in the foreground vs --async-checkpoint (FSDP2, DCP):
+# runs/bench-checkpoint/checkpoint_save.json.
+bench-checkpoint: venv
+	OMP_NUM_THREADS=1 $(PY) bench/checkpoint_save.py --out runs/bench-checkpoint
 
 # On a GPU machine: tokens/s and MFU of the DDP recipe at ~1B parameters, eager and torch.compile.
 gpu-check: venv

@@ -46,6 +46,9 @@ def assert_one_line_error(result, *fragments: str) -> None:
         (2, ["--eval-every", "-1"], ["--eval-every must be 0 (no evaluation) or more, got -1"]),
         (2, ["--eval-batches", "0"], ["--eval-batches must be at least 1, got 0"]),
         (2, ["--data-workers", "-2"], ["--data-workers must be 0 (read in the training process) or more, or -1 (auto)"]),
+        (2, ["--tracker", "wandb,comet"], ["--tracker 'wandb,comet': use a comma-separated list of tensorboard, wandb, mlflow, or none"]),
+        (2, ["--tracker", "wandb", "--tensorboard", "tb"],
+         ["--tensorboard tb names a directory for TensorBoard, which --tracker wandb leaves out: add tensorboard"]),
     ],
 )
 def test_recipe_rejects_bad_layout_before_starting(tmp_path, world_size, args, fragments):

@@ -198,3 +198,19 @@ def test_the_committed_hugging_face_table_is_its_json():
     assert table in (REPO / "bench" / "RESULTS.md").read_text()
     assert set(measured["hugging_face"]["recipes"]) == {"ddp", "accelerate", "deepspeed", "fsdp_tp_pp", "deepspeed_zero2"}
     assert all(r["loss_max_rel_diff"] == 0.0 for r in measured["hugging_face"]["recipes"].values())
+
+
+def test_checkpoint_benchmark_measures_the_blocking_time_of_sync_and_async_saves(tmp_path):
+    """bench/checkpoint_save.py: both modes ran (the recipe reports which), each save's blocking time recorded,
+    the ratio computed from the figures of the same run, the same checkpoint size and losses in both."""
+    result = run([sys.executable, str(REPO / "bench" / "checkpoint_save.py"), "--quick", "--out", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bench = json.loads((tmp_path / "checkpoint_save.json").read_text())
+    sync, background = bench["sync"], bench["async"]
+    assert bench["meta"]["mode"] == "quick" and bench["same_losses"] is True
+    for mode in (sync, background):
+        assert len(mode["saves"]) == bench["meta"]["steps"] // 2 and mode["blocking_s"] == statistics.median(mode["saves"]) > 0
+    assert sync["checkpoint_bytes"] == pytest.approx(background["checkpoint_bytes"], rel=1e-3)  # (the JSON state: a few bytes)
+    assert bench["ratio_async_to_sync_blocking"] == pytest.approx(background["blocking_s"] / sync["blocking_s"])
+    committed = json.loads((REPO / "bench" / "checkpoint_save.json").read_text())  # (the last full run, quoted by the docs)
+    assert committed["meta"]["mode"] == "full" and committed["same_losses"] is True

@@ -9,6 +9,7 @@ without the parallelism it breaks, are one line before any rank starts.
 
 from __future__ import annotations
 
+import json
 
 import pytest
 
@@ -45,6 +46,25 @@ def test_resume_matches_the_uninterrupted_run(first, then, uninterrupted, tmp_pa
     metrics = read_metrics(tmp_path)
     assert metrics["resumed_from_step"] == 3 and [r["step"] for r in metrics["history"]] == [1, 2, 3, 4, 5, 6]
     assert max_relative_difference(losses(metrics), uninterrupted) <= PARITY_RTOL
+
+
+def test_async_checkpoints_are_the_state_of_their_step_and_resume_on_the_same_curve(uninterrupted, tmp_path):
+    """--async-checkpoint: each checkpoint is written while the next steps train, published when written
+    (at the next save or the run's end: the stop at step 5 ends with its checkpoint published), holds the state
+    of its own step, and resumes on the uninterrupted run's curve."""
+    fsdp = ["--tp", "1", "--dp-shard", "2", "--checkpoint-every", "2", "--async-checkpoint"]
+    assert_ok(train(tmp_path, 2, *ADAMW, *fsdp, "--stop-at-step", "5"))
+    metrics = read_metrics(tmp_path)
+    assert metrics["async_checkpoint"] is True and len(metrics["checkpoint_blocking_s"]) == 3  # steps 2, 4, 5
+    published = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert published == ["step_00000004", "step_00000005"], published
+    for step in (4, 5):
+        state = json.loads((tmp_path / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        assert [r["step"] for r in state["history"]] == list(range(1, step + 1))
+    result = train(tmp_path, 2, *ADAMW, *fsdp)
+    assert_ok(result)
+    assert "(step 5, written with" in result.stdout
+    assert max_relative_difference(losses(read_metrics(tmp_path)), uninterrupted) <= PARITY_RTOL
 
 
 def test_resume_without_the_optimizer_state_is_caught(uninterrupted, tmp_path):

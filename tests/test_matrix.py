@@ -27,6 +27,7 @@ import pytest
 from support.cluster import (build_images, job_nodes, job_state, podman_load_as_user, shifter_pull, step_launches,
                              submit_recipe, unlabelled)
 from support.curves import eval_losses, losses, PARITY_RTOL, read_metrics
+from support.trackers import tracking_errors
 from support.runs import container_env, EVAL, recipe_env, REPO, run, TINY
 
 pytestmark = [pytest.mark.slurm, pytest.mark.containers]
@@ -88,12 +89,13 @@ def load_cells() -> list[dict]:
     cells = tomllib.loads(MATRIX.read_text())["cell"]
     for cell in cells:
         unknown = set(cell) - {"image", "recipe", "runtime", "image_from", "user", "nodes", "tasks_per_node",
-                               "devices_per_task", "layout", "args", "expect", "tier", "data", "model"}
+                               "devices_per_task", "layout", "args", "expect", "tier", "data", "model", "tracker"}
         assert not unknown, f"matrix.toml: unknown keys {unknown} in {cell}"
         assert cell["expect"] in ("pass", "config-error"), cell
         assert cell.setdefault("tier", "default") in ("default", "full"), cell
         assert cell.setdefault("data", False) in (True, False) and not (cell["data"] and cell["expect"] != "pass"), cell
         assert cell.setdefault("model", False) in (True, False) and not (cell["model"] and cell["expect"] != "pass"), cell
+        assert cell.setdefault("tracker", False) in (True, False) and not (cell["tracker"] and cell["expect"] != "pass"), cell
         assert cell["runtime"] in RUNTIMES, cell
         cell.setdefault("user", "normal" if cell["runtime"] in BY_DEFAULT_AS_USER else "root")
         assert cell["user"] in ("normal", "root") and (cell["user"] == "normal" or cell["runtime"] not in AS_USER), cell
@@ -111,7 +113,8 @@ def cell_id(cell: dict) -> str:
             f"-{cell['nodes']}x{cell['tasks_per_node']}-"
             + ("" if cell["runtime"] == "none" or cell["image_from"] == "env" else f"image_{cell['image_from']}-")
             + f"{cell['layout']}-{cell['expect']}" + ("-" + "_".join(cell["args"]).replace("--", "") if cell["args"] else "")
-            + ("-token_file" if cell["data"] else "") + ("-hf_model" if cell["model"] else ""))
+            + ("-token_file" if cell["data"] else "") + ("-hf_model" if cell["model"] else "")
+            + ("-wandb_mlflow" if cell["tracker"] else ""))
 
 
 CELLS = load_cells()
@@ -277,8 +280,10 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     else:  # what `make pull-IMAGE` records
         env["HPCML_IMAGES_FILE"] = str(work / "images")
         (work / "images").write_text(f"{cell['image']}=hpcml/not-this-one:cpu\n{cell['image']}={image}\n")
+    tracked = ["--tracker", "tensorboard,wandb,mlflow"] if cell["tracker"] else []  # (not the reference's)
     code, job = submit_recipe(slurm_cluster, work, recipe, "--wait", "-N", str(cell["nodes"]),
-                              "--ntasks-per-node", str(cell["tasks_per_node"]), *options, recipe_args=args, user=user, **env)
+                              "--ntasks-per-node", str(cell["tasks_per_node"]), *options, recipe_args=[*args, *tracked],
+                              user=user, **env)
     state, log = job_state(job), (work / f"{recipe}-{job}.out").read_text()
     assert f"launch: runtime={runtime} " in log, log
     if runtime == "shifter":  # the image by name in the log, with the ID every rank starts it by
@@ -338,6 +343,9 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
         assert containers_started(job, runtime, user) == expected + 1, log  # (+1: the recipe's preflight check)
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     assert [record["step"] for record in metrics["history"]] == [1, 2, 3, 4]
+    if cell["tracker"]:  # W&B offline and MLflow inside the image, as its user: one run each, every step once
+        assert tracking_errors(tmp_path / "run", metrics) == []
+        assert not [p for p in (tmp_path / "run").rglob("*") if user and p.lstat().st_uid != user.uid]
 
     reference, reference_eval = reference_losses(recipe, reference_args(recipe, args, world))
     assert losses(metrics) == pytest.approx(list(reference), rel=PARITY_RTOL)

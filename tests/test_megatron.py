@@ -11,6 +11,7 @@ it by 100x.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -108,6 +109,27 @@ def test_checkpoint_resume_same_and_other_layout(tmp_path):
     defective = losses(checked_metrics(control))
     assert defective[:3] == expected[:3] and caught(max_relative_difference(defective[3:], expected[3:]), PARITY_RTOL)
     megatron_shim.covered("resume")
+
+
+def test_async_checkpoints_are_the_state_of_their_step_and_resume_on_the_same_curve(tmp_path):
+    """--async-checkpoint (megatron's async save, a forked writer): training goes on while a checkpoint is
+    written; it is published when written (the stop at step 5 ends with its checkpoint published), holds its
+    own step's state (the writer forked with it), and the resume continues the sync run's curve bit for bit."""
+    steps = ["--seq-len", "32", "--max-steps", "6", "--checkpoint-every", "2", "--pp", "2"]
+    uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    assert_ok(torchrun(uninterrupted, 2, *steps))
+    expected = losses(checked_metrics(uninterrupted))
+    assert_ok(torchrun(interrupted, 2, *steps, "--async-checkpoint", "--stop-at-step", "5"))
+    assert len(checked_metrics(interrupted)["checkpoint_blocking_s"]) == 3  # steps 2, 4, 5
+    assert sorted(p.name for p in (interrupted / "checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
+    for step in (4, 5):
+        checkpoint = interrupted / "checkpoints" / f"step_{step:08d}"
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        assert [r["step"] for r in state["history"]] == list(range(1, step + 1)) and (checkpoint / "metadata.json").exists()
+    resumed = torchrun(interrupted, 2, *steps, "--async-checkpoint")
+    assert_ok(resumed)
+    assert "step_00000005" in resumed.stdout and losses(checked_metrics(interrupted)) == expected
+    megatron_shim.covered("async-checkpoint")
 
 
 def test_bf16_the_gpu_dtype_trains_checkpoints_and_resumes(tmp_path):

@@ -24,7 +24,9 @@ def test_requirements_and_image_pins_agree():
              "accelerate": env["ACCELERATE_VERSION"], "deepspeed": env["DEEPSPEED_VERSION"],
              "megatron-core": env["MEGATRON_CORE_VERSION"], "psutil": env["PSUTIL_VERSION"],
              "tensorboard": env["TENSORBOARD_VERSION"], "transformers": env["TRANSFORMERS_VERSION"],
-             "peft": env["PEFT_VERSION"], "safetensors": env["SAFETENSORS_VERSION"], "h5py": env["H5PY_VERSION"]}
+             "peft": env["PEFT_VERSION"], "safetensors": env["SAFETENSORS_VERSION"], "h5py": env["H5PY_VERSION"],
+             "wandb": env["WANDB_VERSION"], "mlflow-skinny": env["MLFLOW_SKINNY_VERSION"],
+             "sqlalchemy": env["SQLALCHEMY_VERSION"], "alembic": env["ALEMBIC_VERSION"]}
     assert {name: bare.get(name) for name in image} == image
 
 

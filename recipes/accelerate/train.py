@@ -217,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=dp, micro_batches=args.grad_accum,
                           ddp_model=model if isinstance(model, DDP) else None, optimizers=[optimizer])  # (tests only)
 
-    start_step, history = 0, []
+    start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if trainer_state:
         accelerator.load_state(str(resume_from))  # weights, optimizer, RNG of every rank
-        start_step, history = trainer_state["step"], trainer_state["history"]
+        start_step, resumed = trainer_state["step"], trainer_state
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
@@ -228,14 +228,14 @@ def main(argv: list[str] | None = None) -> int:
                 "hostnames": hostnames, "distributed_type": accelerator.distributed_type.value, "grad_accum": args.grad_accum,
                 "model": spec.name}
     peak = harness.peak_flops(device, dtype, args.peak_tflops)
-    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=world_size,
+    metrics = harness.start_metrics(RECIPE, args, run_info, resumed, logging_rank=is_rank0, devices=world_size,
                                     size=harness.model_size(raw_model), peak=peak)
 
     def save(step: int) -> None:  # accelerate's save_state: every rank writes its part (RNG included)
         harness.save_sharded_checkpoint(
             # (torch's format: safetensors cannot hold the tied embedding/head and warns that it dropped one)
             args.out_dir / "checkpoints", step, lambda staging: accelerator.save_state(str(staging), safe_serialization=False),
-            {"history": metrics.history, **must_match}, writes_state=is_rank0, is_rank0=is_rank0,
+            {**metrics.checkpoint_state(), **must_match}, writes_state=is_rank0, is_rank0=is_rank0,
             barrier=accelerator.wait_for_everyone)
         metrics.write()
 

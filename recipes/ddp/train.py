@@ -52,7 +52,8 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "ddp"
 # The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
-FAULTS = ("grad-sum", "no-grad-allreduce", "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart")
+FAULTS = ("grad-sum", "no-grad-allreduce", "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart",
+          "track-every-step")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,18 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=env.world_size,
                           ddp_model=model if env.world_size > 1 else None, optimizers=[optimizer])  # (tests only: their controls)
 
-    start_step, history = 0, []
+    start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if checkpoint:
         raw_model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         harness.restore_rng_state(checkpoint["rng"])
-        start_step, history = checkpoint["step"], checkpoint["history"]
+        start_step, resumed = checkpoint["step"], checkpoint
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
     run_info = {**harness.describe_run(env, backend, device, type(model).__name__, dp=env.world_size),
                 "hostnames": hostnames, "dtype": str(dtype), "model": spec.name}
-    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=env.world_size,
+    metrics = harness.start_metrics(RECIPE, args, run_info, resumed, logging_rank=is_rank0, devices=env.world_size,
                                     size=harness.model_size(raw_model),
                                     peak=harness.peak_flops(device, dtype, args.peak_tflops))
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:  # DDP keeps every rank's weights identical: one copy is the checkpoint
             harness.save_checkpoint(args.out_dir / "checkpoints", step, {
                 "step": step, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                "rng": harness.rng_state(), "history": metrics.history, **must_match})
+                "rng": harness.rng_state(), **metrics.checkpoint_state(), **must_match})
             metrics.write()
 
     # ---- evaluation: the loss on the validation data (--eval-every), each rank its rows, averaged over ranks

@@ -293,10 +293,10 @@ def main(argv: list[str] | None = None) -> int:
               f"launcher={env.launcher} hosts={','.join(hostnames)}", flush=True)
 
     checkpoint_dir = args.out_dir / "checkpoints"
-    start_step, history = 0, []
+    start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if trainer_state:
         engine.load_checkpoint(str(checkpoint_dir), tag=resume_from.name)  # weights, optimizer shards, counters
-        start_step, history = trainer_state["step"], trainer_state["history"]
+        start_step, resumed = trainer_state["step"], trainer_state
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
@@ -304,14 +304,14 @@ def main(argv: list[str] | None = None) -> int:
                 "deepspeed_version": deepspeed.__version__, "zero_stage": stage, "grad_accum": accum,
                 "ds_config": ds_config, "dtype": str(dtype), "hostnames": hostnames, "model": spec.name,
                 "loaded_partitioned": zero3_loading is not None}
-    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=env.world_size,
+    metrics = harness.start_metrics(RECIPE, args, run_info, resumed, logging_rank=is_rank0, devices=env.world_size,
                                     size=size, peak=harness.peak_flops(device, dtype, args.peak_tflops))
 
     def save(step: int) -> None:  # every rank writes its shard; the tag is the staging directory's name
         harness.save_sharded_checkpoint(
             checkpoint_dir, step, lambda staging: engine.save_checkpoint(str(checkpoint_dir), tag=staging.name,
                                                                          save_latest=False),
-            {"history": metrics.history, **must_match, "zero_stage": stage, "world_size": env.world_size, "pp": pp},
+            {**metrics.checkpoint_state(), **must_match, "zero_stage": stage, "world_size": env.world_size, "pp": pp},
             writes_state=is_rank0, is_rank0=is_rank0, barrier=dist.barrier)
         metrics.write()
 

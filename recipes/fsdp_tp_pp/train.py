@@ -16,6 +16,9 @@ node, FSDP across.
     torchrun --standalone --nproc_per_node=2 recipes/fsdp_tp_pp/train.py --tp 1 --pp 2 --n-layer 4 \\
         --pp-schedule Interleaved1F1B --pp-virtual 2                                            # interleaved
 
+    # checkpoints written in the background while training goes on (DCP async_save)
+    torchrun --standalone --nproc_per_node=2 recipes/fsdp_tp_pp/train.py --tp 1 --dp-shard 2 --async-checkpoint
+
     # will it fit? one CPU process, no GPU: the per-GPU memory of this layout on 32 ranks, against an A100-40
     python recipes/fsdp_tp_pp/train.py --estimate-memory a100-40 --world 32 --tp 4 --n-layer 48 --n-embd 6144 --n-head 48
 
@@ -86,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU speed; slow to start)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background (DCP async_save): training waits only for the copy "
+                        "of the state to CPU memory; published once written")
     g = p.add_argument_group("will it fit (one CPU process, no GPU needed)")
     g.add_argument("--estimate-memory", metavar="GPU", default=None,
                    help="report the per-GPU memory of this layout on --world ranks and whether it fits on GPU: "
@@ -145,9 +151,15 @@ def one_process_dcp():
         yield
 
 
-def save_dcp(state: dict, path: Path, world_size: int) -> None:
+def save_dcp(state: dict, path: Path, world_size: int, background=None):
+    """The DCP checkpoint of ``state`` in ``path``; ``background``: (the process group of) a write in the
+    background, which returns the future of the write (async_save copies the state to CPU memory first)."""
     with one_process_dcp():
-        dcp.save(state, checkpoint_id=str(path), no_dist=world_size == 1)
+        if background is None:
+            dcp.save(state, checkpoint_id=str(path), no_dist=world_size == 1)
+            return None
+        return dcp.async_save(state, checkpoint_id=str(path), no_dist=world_size == 1,
+                              process_group=background if world_size > 1 else None)
 
 
 def build_stages(args: argparse.Namespace, spec: harness.ModelSpec, layout: parallelize.Layout, mesh, pp_rank: int,
@@ -301,10 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "pp-loss-unscaled": layout.pp > 1 and layout.micro_batches > 1})
 
     checkpoint_dir = args.out_dir / "checkpoints"
-    start_step, history = 0, []
+    start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if trainer_state:
         load_dcp(resume_from, stages, optimizers)
-        start_step, history = trainer_state["step"], trainer_state["history"]
+        start_step, resumed = trainer_state["step"], trainer_state
         if env.rank == 0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step}, written with "
                   f"{trainer_state['layout']})", flush=True)
@@ -313,16 +325,21 @@ def main(argv: list[str] | None = None) -> int:
                 "model": spec.name,
                 "mesh": layout.mesh_shape(), "schedule": args.pp_schedule if layout.pp > 1 else None,
                 "placements": gather_placements(placements, env.world_size), "dtype": str(dtype), "hostnames": hostnames}
-    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=env.rank == 0,
+    metrics = harness.start_metrics(RECIPE, args, run_info, resumed, logging_rank=env.rank == 0,
                                     devices=env.world_size, size=size, peak=harness.peak_flops(device, dtype, args.peak_tflops))
+
+    # --async-checkpoint: the background writes talk over a process group of their own (gloo: the state is
+    # in CPU memory by then), never interleaving with the training's collectives on the default group.
+    background = (dist.new_group(backend="gloo") if env.world_size > 1 else True) if args.async_checkpoint else None
+    checkpoints = harness.ShardedCheckpoints(  # published: then (not before) metrics.json and the trackers count it
+        checkpoint_dir, writes_state=env.rank == 0, is_rank0=env.rank == 0,
+        barrier=dist.barrier if env.world_size > 1 else lambda: None,
+        published=lambda step: metrics.write(checkpointed=step))
 
     def save(step: int) -> None:  # every rank writes its shards of its stages
         state = {"rng": torch.get_rng_state()} | {k: v for d in state_dicts(stages, optimizers) for k, v in d.items()}
-        harness.save_sharded_checkpoint(
-            checkpoint_dir, step, lambda staging: save_dcp(state, staging, env.world_size),
-            {"history": metrics.history, **must_match, "layout": asdict(layout)}, writes_state=env.rank == 0,
-            is_rank0=env.rank == 0, barrier=dist.barrier if env.world_size > 1 else lambda: None)
-        metrics.write()
+        checkpoints.save(step, lambda staging: save_dcp(state, staging, env.world_size, background),
+                         {**metrics.checkpoint_state(), **must_match, "layout": asdict(layout)})
 
     # ---- evaluation (--eval-every): the validation loss, each DP rank its rows (the pipeline: forward only,
     # the schedule's eval), averaged as the training loss is
@@ -383,11 +400,13 @@ def main(argv: list[str] | None = None) -> int:
         if run.step_done(step, save):
             break
     run.save_last(save)
+    checkpoints.wait()  # (a checkpoint still written in the background: published before the run ends)
 
     # ---- prove from inside the run that the copies that must agree do: the full parameters of a stage
     # are the same on every rank that holds that stage (replicas over DP_replicate, TP's replicated ones)
     spread = stage_spread(stages, mesh, layout, coordinate["pp"])
-    exit_code = run.finish(metrics, spread, differ="parameters differ across the ranks of a stage")
+    exit_code = run.finish(metrics, spread, differ="parameters differ across the ranks of a stage",
+                           extra={"async_checkpoint": args.async_checkpoint, "checkpoint_blocking_s": checkpoints.blocking_s})
     if args.export_hf and exit_code == 0 and run.last_step == args.max_steps:  # (a finished run)
         # every rank gathers its shards (FSDP2's all-gathers, TP's); rank 0 gets the whole model and writes it
         whole = get_model_state_dict(stages[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))

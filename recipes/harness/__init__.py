@@ -8,6 +8,7 @@
     data        --data: synthetic tokens or a token file; step s is the same global batch at any world size;
                 step_batches (read ahead by --data-workers); the validation batches --eval-every evaluates
     metrics     rank 0's step lines, metrics.json, TensorBoard events, FLOPs per token and peak (MFU)
+    tracking    --tracker: W&B offline and MLflow (SQLite) runs on nodes without a network, continued on resume
     model       --model: the contract a model meets (forward(inputs, targets) -> loss), a Hugging Face model
                 directory (hf_model: its loss) or the user's own MODULE:FACTORY
     checkpoint  atomic checkpoint files and directories; which checkpoint a rerun resumes
@@ -24,8 +25,8 @@ No module imports PyTorch or TensorFlow at import time (the TensorFlow recipes l
 from .checkpoint import (
     atomic_write_bytes, CRASH_DURING_CHECKPOINT_ENV, latest_checkpoint, latest_checkpoint_dir,
     list_checkpoint_dirs, list_checkpoints, publish_checkpoint_dir, restore_rng_state, resume_dir, resume_file,
-    rng_state, save_checkpoint, save_checkpoint_dir, save_sharded_checkpoint, staging_checkpoint_dir,
-    TRAINER_STATE,
+    rng_state, save_checkpoint, save_checkpoint_dir, save_sharded_checkpoint, ShardedCheckpoints,
+    staging_checkpoint_dir, TRAINER_STATE,
 )
 from .cli import (
     add_data_options, add_model_options, add_optimizer_option, add_run_options, add_schedule_options,
@@ -65,7 +66,7 @@ __all__ = [
     "parse_args_with_config", "parse_recipe_args", "peak_flops", "peak_memory", "phase", "preflight_line", "publish_checkpoint_dir",
     "ranks_per_node", "tp_size", "require_at_least_one", "require_divisible", "require_positive", "restore_rng_state",
     "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
-    "save_sharded_checkpoint", "setup_torch_distributed", "staging_checkpoint_dir", "start_metrics",
+    "save_sharded_checkpoint", "setup_torch_distributed", "ShardedCheckpoints", "staging_checkpoint_dir", "start_metrics",
     "stderr_line", "step_batches", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir",
     "tf_step_batches", "TokenFileData", "torch_optimizer", "training_data", "TRAINER_STATE", "TrainingRun",
     "transformer_flops_per_token", "validate_run", "validation_data", "validation_loss",

@@ -7,6 +7,8 @@ Two layouts, both under OUT_DIR/checkpoints:
   where the framework's files go, one or more per rank, next to a small JSON state file (step, loss
   history and what must match to resume): written into ``.step_XXXXXXXX.partial`` and renamed by rank 0
   once every rank has finished (``save_sharded_checkpoint``, ``save_checkpoint_dir``; ``resume_dir``).
+  ``ShardedCheckpoints`` does the same where the framework writes in the background (--async-checkpoint):
+  the checkpoint is published, and only then counted as written, once the background write has finished.
 
 A directory or file under the published name is therefore always complete when published; a crash leaves
 the previous one as the one a rerun resumes. Only the newest ``keep`` (2) are kept. A directory also lists
@@ -21,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -209,19 +212,60 @@ def save_sharded_checkpoint(directory: Path, step: int, write_shards: Callable[[
                             writes_state: bool, is_rank0: bool, barrier: Callable[[], None]) -> Path:
     """Every rank: ``write_shards(staging_dir)`` writes its part of the framework's checkpoint; the rank that
     ``writes_state`` adds TRAINER_STATE ({"step": step, **state}); after a barrier rank 0 publishes."""
-    staging = staging_checkpoint_dir(directory, step)
-    if is_rank0:  # an empty directory: a write that crashed at this step may have left one behind
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    barrier()
-    write_shards(staging)
-    if writes_state:
-        atomic_write_bytes(staging / TRAINER_STATE, json.dumps({"step": step, **state}).encode())
-    barrier()
-    if is_rank0:
-        write_manifest(staging)
-        publish_checkpoint_dir(directory, step)
-    return directory / f"step_{step:08d}"
+    def written_now(staging: Path) -> None:  # (what the framework's save returns is not a pending write)
+        write_shards(staging)
+
+    ShardedCheckpoints(directory, writes_state=writes_state, is_rank0=is_rank0, barrier=barrier).save(
+        step, written_now, state)
+    return Path(directory) / f"step_{step:08d}"
+
+
+class ShardedCheckpoints:
+    """The checkpoints of a run, as save_sharded_checkpoint writes them, where ``write_shards`` may write in the
+    background: it returns None when its files are written, or a future (DCP's async_save) that is done when
+    they are. Training goes on meanwhile; the checkpoint is finished (TRAINER_STATE, a barrier, the manifest,
+    rank 0's rename) when the next save starts or at ``wait()``, which a recipe calls before its run ends: a
+    stop signal still ends with a published checkpoint. Then ``published(step)``: what may only count the
+    checkpoint once it is there (metrics.json, the trackers). One save is pending at most (a second waits
+    for the first). ``blocking_s``: the seconds each save held training up."""
+
+    def __init__(self, directory: Path, *, writes_state: bool, is_rank0: bool, barrier: Callable[[], None],
+                 published: Callable[[int], None] = lambda step: None):
+        self.directory, self.writes_state, self.is_rank0 = Path(directory), writes_state, is_rank0
+        self.barrier, self.published = barrier, published
+        self.blocking_s: list[float] = []
+        self._pending = None
+
+    def save(self, step: int, write_shards: Callable[[Path], object], state: dict) -> None:
+        started = time.perf_counter()
+        self.wait()
+        staging = staging_checkpoint_dir(self.directory, step)
+        if self.is_rank0:  # an empty directory: a write that crashed at this step may have left one behind
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        self.barrier()
+        written = write_shards(staging)
+        # (the state as it is now: the history goes on growing while the shards are written)
+        self._pending = (step, staging, written, json.dumps({"step": step, **state}).encode())
+        if written is None:
+            self.wait()
+        self.blocking_s.append(time.perf_counter() - started)
+
+    def wait(self) -> None:
+        """Finish the pending checkpoint, if any: its background write, then publish it."""
+        if self._pending is None:
+            return
+        step, staging, written, state = self._pending
+        self._pending = None
+        if written is not None:
+            written.result()  # (raises what the background write raised)
+        if self.writes_state:
+            atomic_write_bytes(staging / TRAINER_STATE, state)
+        self.barrier()
+        if self.is_rank0:
+            write_manifest(staging)
+            publish_checkpoint_dir(self.directory, step)
+        self.published(step)
 
 
 def save_checkpoint_dir(directory: Path, step: int, write_files: Callable[[Path], None], meta: dict,

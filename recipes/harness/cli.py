@@ -21,6 +21,7 @@ from .data import check_data_option, user_dataset
 from .errors import ConfigError, stderr_line
 from .launch import check_gpus_visible, check_ranks_per_gpu, exit_on_collective_failure, failed_collective_rank
 from .metrics import check_tensorboard_writer, tensorboard_dir
+from .tracking import check_trackers_installed, parse_trackers
 from .profiling import profile_steps
 
 
@@ -63,6 +64,9 @@ def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout:
     g.add_argument("--log-every", type=int, default=1)
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="TensorBoard event files (rank 0; default OUT_DIR/tensorboard; 'off': none)")
+    g.add_argument("--tracker", default="tensorboard", metavar="LIST",
+                   help="where rank 0 tracks the run, comma-separated: tensorboard, wandb (offline: OUT_DIR/wandb, "
+                        "`wandb sync` later), mlflow (OUT_DIR/mlflow.db); 'none': metrics.json only")
     if collective_timeout:
         g.add_argument("--timeout-s", type=float, default=300.0,
                        help="process-group timeout: a collective that waits longer fails the job")
@@ -235,6 +239,11 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
         raise ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
     profile_steps(args)
+    trackers = parse_trackers(args.tracker)
+    if args.tensorboard not in (None, "off") and "tensorboard" not in trackers:
+        raise ConfigError(f"--tensorboard {args.tensorboard} names a directory for TensorBoard, which --tracker "
+                          f"{args.tracker} leaves out: add tensorboard to --tracker, or drop --tensorboard")
+    check_trackers_installed([name for name in trackers if name != "tensorboard"])
     if tensorboard_dir(args) is not None and framework == "torch":
         check_tensorboard_writer()
     check_ranks_per_gpu()

@@ -17,6 +17,8 @@ fault then enters through the framework's own hooks:
                            empties it again)
     resume-data-from-start a resumed run reads the data from the first step again (harness/data.py)
     schedule-restart       a resumed run starts its learning-rate schedule again (harness/run.py)
+    track-every-step       W&B and MLflow receive each step as it is logged, not when a checkpoint holds it
+                           (a resume after a crash then records the steps since the checkpoint twice)
     batch-p2p-with-vp      Megatron's batched p2p with virtual stages at PP 2 let through, which the recipe
                            refuses (it trains on swapped activations; recipes/megatron_tp_pp/layout.py)
 
@@ -36,7 +38,8 @@ from .errors import ConfigError
 
 FAULT_ENV = "HPCML_TEST_FAULT"
 FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "tp-no-reduce", "pp-loss-unscaled", "last-microbatch-loss",
-          "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "batch-p2p-with-vp")
+          "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "batch-p2p-with-vp",
+          "track-every-step")
 
 
 def active(name: str) -> bool:

@@ -1,4 +1,5 @@
-"""What a run reports: rank 0's step lines, OUT_DIR/metrics.json, TensorBoard event files, and MFU.
+"""What a run reports: rank 0's step lines, OUT_DIR/metrics.json, TensorBoard event files, the W&B and MLflow
+runs of --tracker (tracking.py), and MFU.
 
 - ``start_metrics``: the MetricsLogger of a run (its JSON path, TensorBoard directory and the record of
   what ran, from ``describe_run``), and the log line with the model's size and the peak MFU divides by.
@@ -24,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import faults
 from .checkpoint import atomic_write_bytes
 from .errors import ConfigError
+from .tracking import open_trackers, parse_trackers, run_name
 
 if TYPE_CHECKING:
     import torch
@@ -41,8 +44,9 @@ GPU_PEAK_FLOPS = {
 
 
 def tensorboard_dir(args: argparse.Namespace) -> Path | None:
-    """Where the event files go: --tensorboard DIR, OUT_DIR/tensorboard by default, None for 'off'."""
-    if args.tensorboard == "off":
+    """Where the event files go: --tensorboard DIR, OUT_DIR/tensorboard by default, None for 'off' (or a
+    --tracker without tensorboard)."""
+    if args.tensorboard == "off" or "tensorboard" not in parse_trackers(getattr(args, "tracker", "tensorboard")):
         return None
     return Path(args.tensorboard) if args.tensorboard else Path(args.out_dir) / "tensorboard"
 
@@ -128,7 +132,8 @@ def open_tensorboard_writer(directory: Path, framework: str):
 @dataclass
 class MetricsLogger:
     """Rank 0 prints one line per logged step, writes everything to ``path`` as JSON and the step scalars
-    to TensorBoard (``tensorboard_dir``; None: no event files)."""
+    to TensorBoard (``tensorboard_dir``; None: no event files) and to ``trackers`` (W&B, MLflow: the steps
+    since the last checkpoint, at each checkpoint and at the end; tracking.py says why)."""
 
     recipe: str
     path: Path
@@ -143,7 +148,17 @@ class MetricsLogger:
     history: list[dict] = field(default_factory=list)
     tensorboard_dir: Path | None = None
     framework: str = "torch"  # whose TensorBoard writer: "torch" or "tensorflow"
+    trackers: list = field(default_factory=list)
     _writer: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        # The steps of a resumed checkpoint's history reached the trackers before it was published.
+        self._tracked_step = self.history[-1]["step"] if self.history else 0
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint keeps of the metrics: the step history and the trackers' run ids (a resume
+        continues both)."""
+        return {"history": self.history, "tracked_runs": {tracker.name: tracker.run_id for tracker in self.trackers}}
 
     def log_step(self, step: int, loss: float, samples: int, step_time_s: float, lr: float, **extra: float) -> None:
         """One step's record; ``extra``: more numbers of the step (e.g. grad_norm), in JSON and TensorBoard."""
@@ -163,6 +178,8 @@ class MetricsLogger:
         self.history.append(record)
         if not self.is_logging_rank:
             return
+        if faults.active("track-every-step"):  # (a negative control: the trackers get steps no checkpoint holds)
+            self._track()
         if self.tensorboard_dir is not None:
             if self._writer is None:
                 self._writer = open_tensorboard_writer(self.tensorboard_dir, self.framework)
@@ -207,25 +224,40 @@ class MetricsLogger:
             "peak_source": self.peak_source,
         }
 
-    def write(self, extra: dict | None = None) -> None:
-        """metrics.json now (atomically), and the TensorBoard events so far (called at every checkpoint)."""
+    def write(self, extra: dict | None = None, checkpointed: int | None = None) -> None:
+        """metrics.json now (atomically), the TensorBoard events so far, and to the trackers the steps up to
+        ``checkpointed`` (the checkpoint just published; None: every step). Called at every checkpoint."""
         if not self.is_logging_rank:
             return
         document = {"recipe": self.recipe, **self.run_info, **(extra or {}), "summary": self.summary(), "history": self.history}
         atomic_write_bytes(self.path, (json.dumps(document, indent=2, default=str) + "\n").encode())
         if self._writer is not None:
             self._writer.flush()
+        self._track(checkpointed)
+
+    def _track(self, through: int | None = None) -> None:
+        """The steps the trackers have not seen yet (up to step ``through``), to every tracker."""
+        untracked = [record for record in self.history
+                     if record["step"] > self._tracked_step and (through is None or record["step"] <= through)]
+        if untracked:
+            for tracker in self.trackers:
+                tracker.log(untracked)
+            self._tracked_step = untracked[-1]["step"]
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
-def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, history: list[dict], *, logging_rank: bool,
+def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, resumed: dict | None, *, logging_rank: bool,
                   devices: int, size: tuple[int, float], peak: tuple[float, str], framework: str = "torch") -> MetricsLogger:
     """The run's MetricsLogger: OUT_DIR/metrics.json with ``run_info`` and the options, --tensorboard,
-    --log-every; ``history``: the steps before a resume. ``devices``: what MFU divides the peak over (the
+    --tracker, --log-every; ``resumed``: the checkpoint state a resume starts from (its ``checkpoint_state``
+    keys: the step history, the trackers' run ids), None for a new run. ``devices``: what MFU divides the peak over (the
     world size, or MirroredStrategy's replicas); ``size``: the model's (parameters, training FLOPs per
     token); ``peak``: (FLOP/s per device, where it came from). The logging rank prints size and peak.
     ``framework``: "tensorflow" for the TensorFlow recipes (their TensorBoard writer is tf.summary)."""
@@ -239,6 +271,12 @@ def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, history
             words = " ".join(f"{name}={value}" for name, value in settings.items())
             print(f"[launch] rank 0 sees {words or 'no NCCL_*/FI_* settings'}", flush=True)
     events = tensorboard_dir(args)
+    history = list(resumed["history"]) if resumed else []
+    config = {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+              for key, value in vars(args).items()}
+    trackers = open_trackers(parse_trackers(getattr(args, "tracker", "tensorboard")), Path(args.out_dir),
+                             (resumed or {}).get("tracked_runs", {}), run_name(recipe, args.out_dir),
+                             config) if logging_rank else []
     return MetricsLogger(
         recipe=recipe, path=Path(args.out_dir) / "metrics.json", is_logging_rank=logging_rank,
         tokens_per_sample=None if getattr(args, "dataset", None) else args.seq_len, flops_per_token=flops_per_token,
@@ -247,7 +285,7 @@ def start_metrics(recipe: str, args: argparse.Namespace, run_info: dict, history
         run_info={**run_info, "n_params": n_params, "config": vars(args),
                   "resumed_from_step": history[-1]["step"] if history else None,
                   "tensorboard_dir": str(events) if events else None, "network_settings": settings},
-        tensorboard_dir=events, framework=framework,
+        tensorboard_dir=events, framework=framework, trackers=trackers,
     )
 
 

@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     # where it applies: the tape's reduction, whether there is one, the restore.
     fault = harness.faults.inject(RECIPE, FAULTS, data_parallel=world_size)
     latest, meta = harness.resume_dir(args, must_match, state_file="meta.json")
-    start_step, history = 0, []
+    start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if latest is not None:
         keras_model.restore(checkpoint, model, str(latest / "ckpt"), weights_only=fault == "resume-fresh-optimizer")
-        start_step, history = meta["step"], meta["history"]
+        start_step, resumed = meta["step"], meta
         if is_rank0:
             print(f"[{RECIPE}] resumed from {latest} (step {start_step})", flush=True)
     # Every rank starts from rank 0's weights and optimizer state (the same seed already agrees; this
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 "hostnames": hostnames, "collectives": ops, "lr_used": lr, "dtype": dtype,
                 "horovod_built": {"gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": hvd.nccl_built()}}
     size = (model.count_params(), keras_model.flops_per_token(model))
-    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=world_size, size=size,
+    metrics = harness.start_metrics(RECIPE, args, run_info, resumed, logging_rank=is_rank0, devices=world_size, size=size,
                                     peak=keras_model.peak_flops(gpu_name, dtype, args.peak_tflops), framework="tensorflow")
     if is_rank0:
         print(f"[{RECIPE}] lr {args.lr} x {world_size} ranks = {lr}", flush=True)
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:  # every rank holds the same model: rank 0's copy is the checkpoint
             harness.save_checkpoint_dir(args.out_dir / "checkpoints", step,
                                         lambda staging: checkpoint.write(str(staging / "ckpt")),
-                                        {"history": metrics.history, **must_match})
+                                        {**metrics.checkpoint_state(), **must_match})
             metrics.write()
 
     def agree(value: int) -> int:  # the largest over the ranks: every rank stops after the same step

@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     lr = args.lr * world_size  # (and the schedule's rate x world size at every step)
     optimizer = harness.torch_optimizer(model.parameters(), args.optimizer, lr)
     resume_from, state = harness.resume_file(args, must_match(world_size))
-    start_step, history = 0, []
+    start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        start_step, history = state["step"], state["history"]
+        start_step, resumed = state["step"], state
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
     wrapper = "none"
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     versions = {"torch_version": torch.__version__, "horovod_version": horovod.__version__}
     run_info = {**harness.describe_run(env, f"horovod-{controller}", device, wrapper, versions, dp=world_size),
                 "lr_used": lr, "model": spec.name}
-    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_rank0, devices=world_size,
+    metrics = harness.start_metrics(RECIPE, args, run_info, resumed, logging_rank=is_rank0, devices=world_size,
                                     size=harness.model_size(model),
                                     peak=harness.peak_flops(device, torch.float32, args.peak_tflops))
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             harness.save_checkpoint(args.out_dir / "checkpoints", step, {
                 "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "history": metrics.history, **must_match(world_size)})
+                **metrics.checkpoint_state(), **must_match(world_size)})
             metrics.write()
 
     def agree(value: int) -> int:  # the largest over the ranks: every rank stops after the same step

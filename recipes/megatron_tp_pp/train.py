@@ -15,6 +15,7 @@ its optimizer and its distributed checkpoints.
     # under Slurm, one srun task per rank; on Perlmutter 2 nodes x 4 A100: TP=4 in a node, PP=2 across
     srun -N 2 --ntasks-per-node=4 python recipes/megatron_tp_pp/train.py --tp 4 --pp 2
     sbatch slurm/megatron_tp_pp.sh --tp 4 --pp 2 --num-layers 24 --hidden-size 2048 --num-heads 16
+    sbatch slurm/megatron_tp_pp.sh --tp 4 --pp 2 --async-checkpoint      # checkpoints written in the background
 
 Without a CUDA device the recipe loads cpu_placement_shim.py (next to this file; it says so in the log):
 megatron-core has no CPU path, and the shim only moves its tensors to the CPU. GPU runs never load it.
@@ -71,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off; megatron's optimizer clips)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--distributed-optimizer", action="store_true", help="shard the optimizer state over DP (ZeRO-1)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background (megatron's async save: a forked writer process); "
+                        "published once written")
     p.add_argument("--batch-p2p-comm", action="store_true",
                    help="batch the pipeline's send/recv pairs (refused with --vp at --pp 2: the messages get swapped)")
     p.add_argument("--layer-spec", choices=["auto", "local", "te"], default="auto",
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_placement_shim.enable()
     # Imported here, not at the top: megatron takes ~10 s to import, and --preflight must answer in seconds.
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     from megatron.core import __version__ as megatron_version
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.faults.inject(RECIPE, FAULTS, parameters=[p for chunk in model_chunks for p in chunk.parameters()],
                           data_parallel=layout.dp, micro_batches=layout.num_microbatches, megatron_chunks=model_chunks,
                           optimizers=[optimizer], applies={"tp-no-reduce": layout.tp > 1})  # (tests only: their controls)
-    start_step, history = 0, []
+    start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if trainer_state:
         try:  # megatron reshards on load: a checkpoint of another TP/PP/DP layout loads too
             loaded = dist_checkpointing.load(sharded_state(is_loading=True), str(resume_from))
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk.module.load_state_dict(loaded[f"model{i}"])
         if "optimizer" in loaded:
             optimizer.load_state_dict(loaded["optimizer"])
-        start_step, history = trainer_state["step"], trainer_state["history"]
+        start_step, resumed = trainer_state["step"], trainer_state
         if env.rank == 0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
@@ -274,16 +279,27 @@ def main(argv: list[str] | None = None) -> int:
                 "parameter_dtypes": sorted({str(p.dtype) for chunk in model_chunks for p in chunk.parameters()}),
                 "layer_spec": "transformer_engine" if use_te else "local", "cpu_placement_shim": device.type == "cpu",
                 "hostnames": hostnames}
-    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=is_logging_rank,
+    metrics = harness.start_metrics(RECIPE, args, run_info, resumed, logging_rank=is_logging_rank,
                                     devices=env.world_size, size=(n_params, flops_per_token),
                                     peak=harness.peak_flops(device, dtype, args.peak_tflops))
 
+    checkpoints = harness.ShardedCheckpoints(  # published: then (not before) metrics.json and the trackers count it
+        checkpoint_dir, writes_state=is_logging_rank, is_rank0=env.rank == 0, barrier=dist.barrier,
+        published=lambda step: metrics.write(checkpointed=step))
+    # --async-checkpoint: megatron's own async save; its queue forks the writer and finalizes the checkpoint
+    # (metadata.json, a barrier) when the next save starts or the run ends.
+    async_queue = AsyncCallsQueue() if args.async_checkpoint else None
+
+    def write_shards(staging: Path):
+        request = dist_checkpointing.save(sharded_state(is_loading=False), str(staging),
+                                          async_sharded_save=async_queue is not None)
+        if request is None:
+            return None
+        async_queue.schedule_async_request(request)
+        return MegatronAsyncSave(async_queue)
+
     def save(step: int) -> None:  # every rank writes its shards; the loss history is on the logging rank
-        harness.save_sharded_checkpoint(
-            checkpoint_dir, step, lambda staging: dist_checkpointing.save(sharded_state(is_loading=False), str(staging)),
-            {"history": metrics.history, **must_match, "layout": layout_info},
-            writes_state=is_logging_rank, is_rank0=env.rank == 0, barrier=dist.barrier)
-        metrics.write()
+        checkpoints.save(step, write_shards, {**metrics.checkpoint_state(), **must_match, "layout": layout_info})
 
     # ---- data: every DP rank takes its rows of the step's global batch, cut into micro-batches; all TP
     # and PP ranks of a replica read the same rows (stage 0 uses the tokens, the last stage the labels).
@@ -367,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         if run.step_done(step, save):
             break
     run.save_last(save)
+    checkpoints.wait()  # (a checkpoint still written in the background: published before the run ends)
+    if async_queue is not None:
+        async_queue.close()
 
     # ---- prove from inside the run that the replicas trained one model: DP replicas (and, for what TP
     # does not split, the TP ranks) must hold identical parameters
@@ -378,12 +397,25 @@ def main(argv: list[str] | None = None) -> int:
              if not getattr(p, "tensor_model_parallel", False)],
             layout.tp, group=parallel_state.get_tensor_model_parallel_group()),
     )
-    exit_code = run.finish(metrics, spread, {"cpu_placement_shim_sites": cpu_placement_shim_sites(env.world_size)},
+    exit_code = run.finish(metrics, spread, {"cpu_placement_shim_sites": cpu_placement_shim_sites(env.world_size),
+                                             "async_checkpoint": args.async_checkpoint,
+                                             "checkpoint_blocking_s": checkpoints.blocking_s},
                            differ="parameters differ across replicas")
     model_chunks = optimizer = None  # the DDP buffers and the optimizer hold the groups: drop them first
     parallel_state.destroy_model_parallel()
     harness.leave_process_group()
     return exit_code
+
+
+class MegatronAsyncSave:
+    """Megatron's pending async save as the future harness.ShardedCheckpoints waits on: ``result()`` waits for
+    the writer and runs megatron's finalization (every rank, at the same point)."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def result(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
 
 
 def count_global_parameters(model_chunks, layout: Layout, tied: bool, device: torch.device) -> int:

@@ -124,16 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     must_match = {"model": asdict(cfg), "global_batch": args.global_batch, "optimizer_name": args.optimizer,
                   **harness.schedule_identity(args)}
     latest, meta = harness.resume_dir(args, must_match, state_file="meta.json")
-    start_step, history = 0, []
+    start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if latest is not None:
         keras_model.restore(checkpoint, model, str(latest / "ckpt"), weights_only=fault == "resume-fresh-optimizer")
-        start_step, history = meta["step"], meta["history"]
+        start_step, resumed = meta["step"], meta
         print(f"[{RECIPE}] resumed from {latest} (step {start_step})", flush=True)
 
     run_info = {**harness.describe_run(env, f"MirroredStrategy/{all_reduce}", device_kind, type(strategy).__name__,
                                        {"tensorflow_version": tf.__version__}, dp=replicas),
                 "replicas": replicas, "devices": devices, "hostnames": [socket.gethostname()], "dtype": dtype}
-    metrics = harness.start_metrics(RECIPE, args, run_info, history, logging_rank=True, devices=replicas,
+    metrics = harness.start_metrics(RECIPE, args, run_info, resumed, logging_rank=True, devices=replicas,
                                     size=(model.count_params(), keras_model.flops_per_token(model)),
                                     peak=keras_model.peak_flops(gpu_name, dtype, args.peak_tflops), framework="tensorflow")
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     def save(step: int) -> None:
         harness.save_checkpoint_dir(args.out_dir / "checkpoints", step,
                                     lambda staging: checkpoint.write(str(staging / "ckpt")),
-                                    {"history": metrics.history, **must_match})
+                                    {**metrics.checkpoint_state(), **must_match})
         metrics.write()
 
     # ---- training loop (one process: a signal needs no agreement between ranks)

@@ -25,9 +25,9 @@ def allowed() -> set[str]:
 
 
 def covering_tests() -> set[str]:
-    """Every megatron row of the parity table, and test_megatron.py's resume and bf16 tests."""
+    """Every megatron row of the parity table, and test_megatron.py's resume, async-checkpoint and bf16 tests."""
     rows = tomllib.loads(PARITY_TABLE.read_text())["layouts"]
-    return {row["id"] for row in rows if row["recipe"] == "megatron_tp_pp"} | {"resume", "bf16"}
+    return {row["id"] for row in rows if row["recipe"] == "megatron_tp_pp"} | {"resume", "async-checkpoint", "bf16"}
 
 
 def _record(**entry) -> None:
