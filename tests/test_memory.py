@@ -1,9 +1,10 @@
-"""Will it fit (recipes/harness/memory.py, recipes/fsdp_tp_pp --estimate-memory GPU --world N): the estimate
+"""Will it fit (recipes/harness/memory.py; recipes/fsdp_tp_pp and recipes/ddp --estimate-memory GPU --world N): the estimate
 made on one CPU process with fake tensors and a fake process group is the peak a real run of that layout
 tracks, kind by kind; sharding divides the model's states; a layout that does not fit says so (exit 1) and
 what to change; bad input is one line.
 
-Measured: in 5 layouts (one process, FSDP2 2, TP 2, HSDP 2 x 2, FSDP2 x TP 2 x 2) the estimate and the real
+Measured: in 5 layouts of fsdp_tp_pp (one process, FSDP2 2, TP 2, HSDP 2 x 2, FSDP2 x TP 2 x 2) and 3 of DDP (1,
+2 and 4 ranks: the model at the per-rank batch plus DDP's gradient buckets) the estimate and the real
 run's tracked peak agree within the tolerance below, in total and kind by kind (FSDP2 x TP: the total and the
 optimizer state; the split of the rest between parameters and activations is approximate there). They are
 the same code on fake and on real tensors, with fake and real collectives. What neither sees (the CUDA
@@ -21,6 +22,7 @@ import pytest
 from support.runs import assert_ok, REPO, recipe_env, run, run_recipe
 
 RECIPE = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
+DDP_RECIPE = REPO / "recipes" / "ddp" / "train.py"
 MODEL = ["--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--global-batch", "8",
          "--dtype", "float32"]
 TOLERANCE = 0.05  # of the measured total, for the total and for each kind
@@ -30,13 +32,20 @@ LAYOUTS = {  # name: (ranks, options)
     "tp2": (2, ["--tp", "2"]),
     "hsdp-2x2": (4, ["--tp", "1", "--dp-replicate", "2", "--dp-shard", "2"]),
     "fsdp2xtp2": (4, ["--tp", "2", "--dp-shard", "2"]),
+    "ddp-one-process": (1, []),
+    "ddp-2": (2, []),
+    "ddp-4": (4, []),
 }
+
+
+def recipe_of(name: str):
+    return DDP_RECIPE if name.startswith("ddp") else RECIPE
 
 
 def estimate(tmp_path, name: str, ranks: int, options: list[str], gpu: str = "a100-40", model=MODEL):
     """(exit code, stdout, the JSON report) of an estimate from one process for ``ranks`` ranks."""
     out = tmp_path / f"{name}.json"
-    result = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path / "run"), *model, *options, "--estimate-memory", gpu,
+    result = run([sys.executable, str(recipe_of(name)), "--out-dir", str(tmp_path / "run"), *model, *options, "--estimate-memory", gpu,
                   "--world", str(ranks), "--estimate-json", str(out)], env=recipe_env(), timeout=300)
     assert result.returncode in (0, 1), result.stderr[-3000:]
     return result.returncode, result.stdout, json.loads(out.read_text())
@@ -48,7 +57,7 @@ def test_the_estimate_from_one_process_is_the_peak_a_real_run_tracks(name, tmp_p
     code, stdout, estimated = estimate(tmp_path, name, ranks, options)
     assert code == 0 and "estimated on one CPU process (fake tensors)" in stdout and "fits on a100-40" in stdout
     measured_json = tmp_path / "measured.json"
-    assert_ok(run_recipe(RECIPE, tmp_path / "real", ranks, *MODEL, *options, "--estimate-memory", "a100-40",
+    assert_ok(run_recipe(recipe_of(name), tmp_path / "real", ranks, *MODEL, *options, "--estimate-memory", "a100-40",
                          "--estimate-json", str(measured_json)))
     measured = json.loads(measured_json.read_text())
     assert measured["measured"] and not estimated["measured"]
@@ -62,6 +71,18 @@ def test_the_estimate_from_one_process_is_the_peak_a_real_run_tracks(name, tmp_p
     for kind in kinds:
         assert abs(estimated["peak_bytes"][kind] - measured["peak_bytes"][kind]) <= TOLERANCE * total, \
             (kind, estimated["peak_bytes"], measured["peak_bytes"])
+
+
+def test_ddp_holds_the_whole_model_and_its_buckets_on_every_rank(tmp_path):
+    """DDP on 4 ranks: the model's states of one process (nothing sharded), a quarter of its activations (a
+    quarter of the rows), and DDP's gradient buckets, one more copy of the gradients."""
+    _, _, alone = estimate(tmp_path, "ddp-alone", 1, [])
+    _, _, four = estimate(tmp_path, "ddp-four", 4, [])
+    for kind in ("parameters", "optimizer state"):
+        assert four["peak_bytes"][kind] == alone["peak_bytes"][kind]
+    assert alone["peak_bytes"]["communication buffers"] == 0
+    assert four["peak_bytes"]["communication buffers"] == alone["peak_bytes"]["parameters"]  # (fp32: the gradients' bytes)
+    assert four["peak_bytes"]["activations"] < 0.3 * alone["peak_bytes"]["activations"]
 
 
 def test_sharding_divides_the_models_states(tmp_path):
@@ -81,13 +102,17 @@ def test_a_layout_that_does_not_fit_says_so_and_what_to_change(tmp_path):
     assert report["peak_bytes"]["total"] > 0.9 * report["gpu_bytes"]
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--estimate-memory", "v100", "--world", "2"], "--estimate-memory v100: name the GPU, one of a100-40, a100-80, h100, h200"),
-    (["--estimate-memory", "h100", "--world", "3", "--tp", "2"], "world size 3 is not divisible by PP x DP_replicate x TP"),
-    (["--estimate-memory", "h100", "--world", "4", "--tp", "1", "--pp", "2"], "--estimate-memory with --pp: not yet"),
+@pytest.mark.parametrize("recipe, options, message", [
+    ("fsdp_tp_pp", ["--estimate-memory", "v100", "--world", "2"],
+     "--estimate-memory v100: name the GPU, one of a100-40, a100-80, h100, h200"),
+    ("fsdp_tp_pp", ["--estimate-memory", "h100", "--world", "3", "--tp", "2"], "world size 3 is not divisible by PP x DP_replicate x TP"),
+    ("fsdp_tp_pp", ["--estimate-memory", "h100", "--world", "4", "--tp", "1", "--pp", "2"], "--estimate-memory with --pp: not yet"),
+    ("ddp", ["--estimate-memory", "h100", "--world", "3"], "--global-batch 8 is not divisible by the world size 3"),
+    ("ddp", ["--estimate-memory", "a100", "--world", "2"], "--estimate-memory a100: name the GPU"),
 ])
-def test_what_cannot_be_estimated_is_one_line(tmp_path, options, message):
-    result = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), *MODEL, *options], env=recipe_env(), timeout=120)
+def test_what_cannot_be_estimated_is_one_line(tmp_path, recipe, options, message):
+    path = recipe_of(recipe)
+    result = run([sys.executable, str(path), "--out-dir", str(tmp_path), *MODEL, *options], env=recipe_env(), timeout=120)
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[fsdp_tp_pp] error: ") and message in lines[0], \
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"[{recipe}] error: ") and message in lines[0], \
         result.stderr

@@ -24,6 +24,7 @@ which requeues the job. Options can come from a TOML file:
 
     python recipes/ddp/train.py --config run.toml --max-steps 100   # the command line wins
     python recipes/ddp/train.py --preflight 8                       # only check the options for 8 ranks
+    python recipes/ddp/train.py --estimate-memory a100-40 --world 8  # will it fit: the per-GPU memory of 8 ranks
 
 On real text (recipes/data/prepare.py writes the token file), evaluated on its validation split:
 
@@ -39,6 +40,7 @@ Your model instead of the GPT (harness/model.py: the contract): a Hugging Face c
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU speed; slow to start)")
     harness.add_optimizer_option(p)
+    harness.memory.add_options(p)
     harness.add_schedule_options(p)
     return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True)
 
@@ -78,10 +81,67 @@ def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec
     harness.require_divisible("--global-batch", args.global_batch, world_size, f"the world size {world_size}")
 
 
+def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
+    """--estimate-memory GPU: rank 0's memory in DDP on --world ranks (harness/memory.py), from one process:
+    the model at the per-rank batch on fake tensors, plus DDP's gradient buckets. Without --world, the launched
+    run (one process, or torchrun's ranks) tracks its own real tensors and reads the real reducer's bucket
+    sizes: the measured peak an estimate is checked against. The dtype is the GPU's (--dtype auto: bf16)."""
+    env = harness.detect_dist_env()
+    measured = args.world is None
+    if not measured and env.world_size > 1:
+        raise harness.ConfigError(f"--world {args.world} on a launched world of {env.world_size} ranks: estimate from one "
+                                  "process (python, not torchrun), or leave --world out to measure this run")
+    world = env.world_size if measured else args.world
+    validate(args, world, spec)
+    capacity = harness.memory.gpu_memory(args.estimate_memory)  # (a GPU name it knows, before any work)
+    device = harness.setup_torch_distributed(env, args.timeout_s)[0] if measured else torch.device("cpu")
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    rows = args.global_batch // world
+    with harness.memory.fake_tensors(not measured):
+        torch.manual_seed(args.seed)
+        model = spec.build()
+        model = model if device.type == "cpu" else model.to(device)  # (fake tensors: no .to)
+        wrapped = DDP(model) if measured and world > 1 else None
+        optimizer = harness.torch_optimizer(model.parameters(), args.optimizer, args.lr)
+
+        def train_step() -> None:
+            inputs = torch.randint(0, args.vocab_size, (rows, args.seq_len), device=device)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = (wrapped or model)(inputs, inputs)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        peak = harness.memory.tracked_peak(model, optimizer, train_step, fsdp=False)
+        buckets = harness.memory.ddp_bucket_bytes(model, wrapped) if world > 1 else 0
+    peak["communication buffers"] += buckets
+    if wrapped is not None:  # the real wrapper: the tracker saw its buckets, which DDP rebuilds in the first backward
+        peak["activations"] -= buckets  # (in the order the gradients arrive), as temporaries: filed as what they are
+    else:  # the estimate: the buckets a wrapper would hold, from its start, add to the model's own peak
+        peak["total"] += buckets
+    code = 0
+    if env.rank == 0:
+        code = harness.memory.report(
+            RECIPE, peak, args.estimate_memory, f"DDP on {world} ranks, {rows} rows of {args.seq_len} tokens per rank, "
+            f"{str(dtype).removeprefix('torch.')}, {args.optimizer}", measured,
+            ["FSDP2 instead of DDP (recipes/fsdp_tp_pp: parameters, gradients and optimizer state sharded over the ranks)",
+             f"fewer rows per rank (a smaller --global-batch than {args.global_batch}, or more ranks)"])
+        if args.estimate_json:
+            args.estimate_json.write_text(json.dumps({"world": world, "layout": {"dp": world}, "rows": rows,
+                                                      "gpu": args.estimate_memory, "gpu_bytes": capacity,
+                                                      "measured": measured, "peak_bytes": peak}, indent=1) + "\n")
+    if measured and world > 1:
+        del wrapped  # (the reducer holds the process group)
+        harness.leave_process_group()
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # the stack's GPT, or --model hf:DIR (a Hugging Face model) or MODULE:FACTORY (yours): harness/model.py
     spec = harness.model_spec(args, gpt=GPT, gpt_config=GPTConfig.from_args(args))
+    if args.estimate_memory:  # will it fit: the memory of DDP on --world ranks, without their GPUs
+        return estimate_memory(args, spec)
     must_match = {**spec.identity, "global_batch": args.global_batch,  # to resume a checkpoint
                   "optimizer_name": args.optimizer, **harness.schedule_identity(args)}
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank

@@ -92,13 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-checkpoint", action="store_true",
                    help="write checkpoints in the background (DCP async_save): training waits only for the copy "
                         "of the state to CPU memory; published once written")
-    g = p.add_argument_group("will it fit (one CPU process, no GPU needed)")
-    g.add_argument("--estimate-memory", metavar="GPU", default=None,
-                   help="report the per-GPU memory of this layout on --world ranks and whether it fits on GPU: "
-                        "a100-40, a100-80, h100 or h200 (exit 1 when it does not)")
-    g.add_argument("--world", type=int, default=None,
-                   help="the ranks of the job to estimate; without it, --estimate-memory measures the launched run")
-    g.add_argument("--estimate-json", type=Path, default=None, help="also write the estimate to this JSON file")
+    harness.memory.add_options(p)
     harness.add_schedule_options(p)
     return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True)
 

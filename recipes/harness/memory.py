@@ -25,6 +25,29 @@ GPU_MEMORY_MIB = {"a100-40": 40960, "a100-80": 81920, "h100": 81559, "h200": 143
 USABLE = 0.9  # the share a run can count on; the rest: CUDA context, NCCL buffers, fragmentation
 
 
+def add_options(p) -> None:
+    """--estimate-memory GPU, --world N, --estimate-json FILE (the recipes that estimate: ddp, fsdp_tp_pp)."""
+    from pathlib import Path
+
+    g = p.add_argument_group("will it fit (one CPU process, no GPU needed)")
+    g.add_argument("--estimate-memory", metavar="GPU", default=None,
+                   help="report the per-GPU memory of this layout on --world ranks and whether it fits on GPU: "
+                        "a100-40, a100-80, h100 or h200 (exit 1 when it does not)")
+    g.add_argument("--world", type=int, default=None,
+                   help="the ranks of the job to estimate; without it, --estimate-memory measures the launched run")
+    g.add_argument("--estimate-json", type=Path, default=None, help="also write the estimate to this JSON file")
+
+
+def ddp_bucket_bytes(module, ddp_module=None) -> int:
+    """DDP's gradient buckets on each rank: a second copy of every gradient (gradient_as_bucket_view off, the
+    default), allocated when the wrapper is built and held for the run. With the real wrapper
+    (``ddp_module``): the reducer's own bucket sizes; else the gradients' bytes it would allocate."""
+    if ddp_module is not None:
+        sizes = str(ddp_module._get_ddp_logging_data().get("bucket_sizes", ""))
+        return sum(int(size) for size in sizes.split(",") if size.strip())
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
 def gpu_memory(name: str) -> int:
     """The memory of the GPU called ``name`` (--estimate-memory), in bytes."""
     if name not in GPU_MEMORY_MIB:
