@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import pytest
 
 from support.curves import losses, read_metrics
 from support.runs import DDP_RECIPE, TINY, assert_ok, recipe_env, run, run_torchrun
@@ -14,9 +13,6 @@ from support.trackers import mlflow_history, tracking_errors
 
 sys.path.insert(0, str(DDP_RECIPE.parents[1]))
 from harness.tracking import scalars  # noqa: E402
-
-pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
 
 TRACKED = ["--tracker", "tensorboard,wandb,mlflow", "--global-batch", "8", "--max-steps", "6",
            "--checkpoint-every", "2", "--eval-every", "3", "--eval-batches", "1"]
