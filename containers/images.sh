@@ -276,8 +276,9 @@ cmd_build() {
         WHEEL_DIR=
     fi
     # The secret always exists for the build (an empty file when there is no CA bundle), so the same
-    # Containerfile builds with and without one.
-    CA_SECRET=$(mktemp)
+    # Containerfile builds with and without one. Its name carries this script's PID: a copy left behind
+    # is told from the secret of a build still running (tests/test_images.py).
+    CA_SECRET=$(mktemp "${TMPDIR:-/tmp}/hpcml-ca.$$.XXXXXX")
     CLEANUP+=("$CA_SECRET")
     local bundle=${CA_BUNDLE-${PIP_CERT:-}}
     if [[ -n $bundle ]]; then
