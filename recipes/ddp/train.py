@@ -87,11 +87,7 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
     run (one process, or torchrun's ranks) tracks its own real tensors and reads the real reducer's bucket
     sizes: the measured peak an estimate is checked against. The dtype is the GPU's (--dtype auto: bf16)."""
     env = harness.detect_dist_env()
-    measured = args.world is None
-    if not measured and env.world_size > 1:
-        raise harness.ConfigError(f"--world {args.world} on a launched world of {env.world_size} ranks: estimate from one "
-                                  "process (python, not torchrun), or leave --world out to measure this run")
-    world = env.world_size if measured else args.world
+    measured, world = harness.memory.estimate_world(args, env.world_size)
     validate(args, world, spec)
     capacity = harness.memory.gpu_memory(args.estimate_memory)  # (a GPU name it knows, before any work)
     device = harness.setup_torch_distributed(env, args.timeout_s)[0] if measured else torch.device("cpu")

@@ -195,11 +195,7 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
     own real tensors instead: the measured peak an estimate is checked against. The dtype is the GPU's
     (--dtype auto: bf16)."""
     env = harness.detect_dist_env()
-    measured = args.world is None
-    if not measured and env.world_size > 1:
-        raise harness.ConfigError(f"--world {args.world} on a launched world of {env.world_size} ranks: estimate from one "
-                                  "process (python, not torchrun), or leave --world out to measure this run")
-    world = env.world_size if measured else args.world
+    measured, world = harness.memory.estimate_world(args, env.world_size)
     layout = validate(args, world, spec)
     if layout.pp > 1:
         raise harness.ConfigError("--estimate-memory with --pp: not yet (a pipeline holds several micro-batches in "

@@ -38,6 +38,17 @@ def add_options(p) -> None:
     g.add_argument("--estimate-json", type=Path, default=None, help="also write the estimate to this JSON file")
 
 
+def estimate_world(args, launched_world: int) -> tuple[bool, int]:
+    """(measured, world size): --world N estimates N ranks from one process; without it, the launched run (one
+    process, or torchrun's ranks) measures itself."""
+    if args.world is None:
+        return True, launched_world
+    if launched_world > 1:
+        raise ConfigError(f"--world {args.world} on a launched world of {launched_world} ranks: estimate from one "
+                          "process (python, not torchrun), or leave --world out to measure this run")
+    return False, args.world
+
+
 def ddp_bucket_bytes(module, ddp_module=None) -> int:
     """DDP's gradient buckets on each rank: a second copy of every gradient (gradient_as_bucket_view off, the
     default), allocated when the wrapper is built and held for the run. With the real wrapper
