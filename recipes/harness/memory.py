@@ -51,7 +51,8 @@ def estimate_world(args, launched_world: int) -> tuple[bool, int]:
 
 def ddp_bucket_bytes(module, ddp_module=None) -> int:
     """DDP's gradient buckets on each rank: a second copy of every gradient (gradient_as_bucket_view off, the
-    default), allocated when the wrapper is built and held for the run. With the real wrapper
+    default), held for the whole run (allocated when the wrapper is built, rebuilt once in the first backward
+    in the order the gradients arrive). With the real wrapper
     (``ddp_module``): the reducer's own bucket sizes; else the gradients' bytes it would allocate."""
     if ddp_module is not None:
         sizes = str(ddp_module._get_ddp_logging_data().get("bucket_sizes", ""))
