@@ -19,7 +19,8 @@ from typing import Callable
 
 from .data import check_data_option, user_dataset
 from .errors import ConfigError, stderr_line
-from .launch import check_gpus_visible, check_ranks_per_gpu, exit_on_collective_failure, failed_collective_rank
+from .launch import (check_gpus_visible, check_ranks_per_gpu, exit_after_leaving_the_group, exit_on_collective_failure,
+                     failed_collective_rank)
 from .metrics import check_tensorboard_writer, tensorboard_dir
 from .tracking import check_trackers_installed, parse_trackers
 from .profiling import profile_steps
@@ -43,6 +44,7 @@ def main_entry(recipe: str, main: Callable[[], int]) -> None:
         if rank is None:
             raise
         exit_on_collective_failure(recipe, error, rank)
+    exit_after_leaving_the_group(code)  # (a multi-rank run that left its process group: exits here)
     sys.exit(code)
 
 

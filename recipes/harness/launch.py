@@ -5,7 +5,7 @@
 - ``check_expected_world_size``: refuse a world other than the one slurm/lib/launch.sh started.
 - ``check_gpus_visible``: refuse to train on the CPU when Slurm gave the job GPUs.
 - ``setup_torch_distributed``: device and backend (NCCL on CUDA, gloo on CPU) and the process group.
-- ``leave_process_group``: the teardown at the end of a run.
+- ``leave_process_group``: the teardown at the end of a run (``exit_after_leaving_the_group``: and the exit).
 - ``all_hostnames``, ``mean_across_ranks``, ``max_difference_across_ranks``, ``max_across_ranks``: the few
   collectives every PyTorch recipe needs for its logs, its stop agreement and its end-of-run proof.
 - ``failed_collective_rank`` / ``exit_on_collective_failure``: a collective that failed (another rank died
@@ -334,9 +334,32 @@ def leave_process_group() -> None:
 
     import torch.distributed as dist
 
+    global _left_process_group
     dist.barrier()
     gc.collect()
     dist.destroy_process_group()
+    _left_process_group = True
+
+
+_left_process_group = False
+
+
+def exit_after_leaving_the_group(code: int) -> None:
+    """After leave_process_group, end the process without the interpreter's teardown: what remains there is
+    the destruction of torch's C++ state, where gloo has aborted a rank after a complete run (SIGABRT,
+    "terminate called without an active exception": once in this project's default test tier, which starts
+    some 600 multi-rank runs), failing a job that had trained and written everything. Files, streams and
+    logs are flushed first; a process with children of its own (--data-workers) exits the ordinary way, so
+    that they are shut down."""
+    import logging
+    import multiprocessing
+
+    if not _left_process_group or multiprocessing.active_children():
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def all_hostnames(world_size: int) -> list[str]:

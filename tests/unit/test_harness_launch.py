@@ -193,3 +193,29 @@ except RuntimeError as error:
     entries = pickle.loads(trace.read_bytes())["entries"]
     assert [entry["profiling_name"] for entry in entries] == ["gloo:all_reduce", "gloo:broadcast"]
     assert not (tmp_path / "fr" / "rank_1").exists()  # the stopped rank wrote nothing
+
+
+EXIT_AFTER_LEAVING = """
+import multiprocessing, sys, time
+sys.path.insert(0, {recipes!r})
+from harness import launch
+print("trained", end="")  # (no newline, no flush: what the ordinary exit would flush)
+launch._left_process_group = {left}
+child = multiprocessing.Process(target=time.sleep, args=(0.5,)) if {with_child} else None
+if child:
+    child.start()
+launch.exit_after_leaving_the_group(5)
+print(" and exited the ordinary way")
+sys.exit(6)
+"""
+
+
+@pytest.mark.parametrize("left, with_child, code, out", [
+    (True, False, 5, "trained"),  # left the group: ends at once, its output flushed
+    (False, False, 6, "trained and exited the ordinary way"),  # no group left (one process): the ordinary exit
+    (True, True, 6, "trained and exited the ordinary way"),  # children (data workers): shut down the ordinary way
+])
+def test_a_run_that_left_its_group_exits_without_the_interpreters_teardown(left, with_child, code, out):
+    script = EXIT_AFTER_LEAVING.format(recipes=str(REPO / "recipes"), left=left, with_child=with_child)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.rstrip("\n")) == (code, out), result.stderr
