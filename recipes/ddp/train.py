@@ -108,7 +108,7 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        peak = harness.memory.tracked_peak(model, optimizer, train_step, fsdp=False)
+        peak = harness.memory.tracked_peak([model], [optimizer], train_step, fsdp=False)
         buckets = harness.memory.ddp_bucket_bytes(model, wrapped) if world > 1 else 0
     peak["communication buffers"] += buckets
     if wrapped is not None:  # the real wrapper: the tracker saw its buckets, which DDP rebuilds in the first backward

@@ -304,3 +304,25 @@ def placements(stages: list[nn.Module], layout: Layout, plans: list[dict[str, st
                 raise RuntimeError(f"{name} is over mesh dims {dims}, expected {expected}")
             found[name] = f"{dims} {tuple(param.placements)}" if is_dtensor else "plain tensor"
     return found
+
+
+def pipeline_actions(schedule_name: str, layout: Layout, pp_rank: int, schedule=None) -> list[tuple[str, int, int]]:
+    """PP rank ``pp_rank``'s forwards and backwards in its schedule's order: [("F" | "B", stage index,
+    micro-batch)]. What a rank holds at once follows from it: the activations of each micro-batch from its
+    forward to its backward (the memory estimate replays it). GPipe: every forward, then every backward;
+    1F1B: min(micro-batches, PP - stage) forwards first, then one backward and one forward, then the rest of
+    the backwards (torch.distributed.pipelining's Schedule1F1B); Interleaved1F1B: the order the ``schedule``
+    object itself computed for every rank (its ``pipeline_order``)."""
+    n = layout.micro_batches
+    if schedule_name == "GPipe":
+        return [("F", pp_rank, m) for m in range(n)] + [("B", pp_rank, m) for m in range(n)]
+    if schedule_name == "1F1B":
+        warmup = min(n, layout.pp - pp_rank)
+        order = [("F", pp_rank, m) for m in range(warmup)]
+        for m in range(n - warmup):
+            order += [("B", pp_rank, m), ("F", pp_rank, warmup + m)]
+        return order + [("B", pp_rank, m) for m in range(n - warmup, n)]
+    kinds = {"F": "F", "B": "B"}  # (the compute actions: forward and full backward)
+    return [(kinds[action.computation_type.value], action.stage_index, action.microbatch_index)
+            for action in schedule.pipeline_order[pp_rank]
+            if action is not None and action.computation_type.value in kinds]

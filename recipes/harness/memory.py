@@ -6,7 +6,8 @@ PyTorch's memory tracker (torch.distributed._tools: FSDPMemTracker for FSDP2, Me
 counts every tensor by what it is. The peak, by kind: parameters, gradients, optimizer state, activations
 (with the temporaries of backward), and FSDP's communication buffers. Launched for real (torchrun, N ranks),
 the same code tracks the real tensors instead: the measured peak the estimate is checked against
-(tests/test_memory.py).
+(tests/test_memory.py). A pipeline's stages are estimated one PP rank at a time, by the recipe (fsdp_tp_pp:
+replay_pipeline).
 
 What it leaves out, and why the verdict keeps 10% of the GPU free: the CUDA context and kernels (~0.5-1 GB),
 NCCL's buffers, the caching allocator's fragmentation. On a GPU, `torch.cuda.max_memory_allocated` is the
@@ -111,22 +112,41 @@ KINDS = {  # the tracker's kinds of tensor, by what the report calls them
 }
 
 
-def tracked_peak(module, optimizer, train_step: Callable[[], None], fsdp: bool, steps: int = 2) -> dict[str, int]:
+def tracked_peak(modules: list, optimizers: list, train_step: Callable[[], None], fsdp: bool,
+                 steps: int = 2) -> dict[str, int]:
     """The peak of ``steps`` calls of ``train_step`` (forward, backward, optimizer step) under the memory
-    tracker, by kind of tensor (KINDS) and in total, in bytes. Two steps: the optimizer state exists from the
-    first step on, and the second step's peak holds it."""
+    tracker, by kind of tensor (KINDS) and in total, in bytes; ``modules`` and ``optimizers``: the rank's
+    (several with an interleaved pipeline). Two steps: the optimizer state exists from the first step on, and
+    the second step's peak holds it."""
+    import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    if fsdp:
-        tracker = FSDPMemTracker(module, optimizer)
+    if fsdp:  # (FSDP's own kinds for the first module; the others' tensors by the plain tracker's kinds)
+        tracker = FSDPMemTracker(modules[0], optimizers[0])
+        tracker.track_external(*modules[1:], *optimizers[1:])
     else:
         tracker = MemTracker()
-        tracker.track_external(module, optimizer)
-    with tracker:
-        for _ in range(steps):
-            train_step()
-            tracker.reset_mod_stats()  # (the tracker counts one iteration of each module's hooks at a time)
+        tracker.track_external(*modules, *optimizers)
+
+    def called_again(module, inputs) -> None:
+        """A pipeline runs a stage once per micro-batch; the tracker takes a top-level module called twice in
+        one step for the next step and refuses it: forget the stage's own stats before each call (its blocks'
+        are kept; the peak, what is read here, is the device's, not a module's)."""
+        in_backward = torch._C._current_graph_task_id() != -1  # (a checkpointed block runs forward again in backward)
+        if module in roots and module in tracker.memory_tracking and not in_backward:
+            del tracker.memory_tracking[module]
+
+    roots = set(modules)
+    # (global hooks run in the order registered: this one before the tracker's, which it registers on entry)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(called_again)
+    try:
+        with tracker:
+            for _ in range(steps):
+                train_step()
+                tracker.reset_mod_stats()  # (the tracker counts one iteration of each module's hooks at a time)
+    finally:
+        handle.remove()
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()  # one device
     by_name = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
     peak = {label: sum(by_name.get(name, 0) for name in names) for label, names in KINDS.items()}
@@ -135,7 +155,7 @@ def tracked_peak(module, optimizer, train_step: Callable[[], None], fsdp: bool, 
     # FSDP2 over TP the tracker counts it under other kinds (measured: the total within 1% of the real run's, but
     # its optimizer state 0 of 1.1 MB): it is counted from the optimizer itself, and taken from the activations,
     # the kind the tracker's remainder falls into, so that the kinds still add up to the (right) total.
-    held = optimizer_state_bytes(optimizer)
+    held = sum(optimizer_state_bytes(optimizer) for optimizer in optimizers)
     if held > peak["optimizer state"]:
         peak["activations"] = max(0, peak["activations"] - (held - peak["optimizer state"]))
         peak["optimizer state"] = held
