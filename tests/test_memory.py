@@ -1,4 +1,4 @@
-"""Will it fit (recipes/harness/memory.py; recipes/fsdp_tp_pp and recipes/ddp --estimate-memory GPU --world N): the estimate
+"""Will it fit (recipes/harness/memory.py; recipes/fsdp_tp_pp, ddp and deepspeed --estimate-memory GPU --world N): the estimate
 made on one CPU process with fake tensors and a fake process group is the peak a real run of that layout
 tracks, kind by kind; sharding divides the model's states; a layout that does not fit says so (exit 1) and
 what to change; bad input is one line.
@@ -8,7 +8,8 @@ Measured: in 5 layouts of fsdp_tp_pp (one process, FSDP2 2, TP 2, HSDP 2 x 2, FS
 run's tracked peak agree within the tolerance below, in total and kind by kind (FSDP2 x TP: the total and the
 optimizer state; the split of the rest between parameters and activations is approximate there). With a
 pipeline (PP 2: 1F1B, GPipe, 8 micro-batches, FSDP2 2 x PP 2) the estimate replays each PP rank's schedule and is
-checked on the first PP rank's total (PP_TOLERANCE). They are
+checked on the first PP rank's total (PP_TOLERANCE). DeepSpeed ZeRO 0-3: its own engine on fake tensors against the
+real engine, 0.0%. They are
 the same code on fake and on real tensors, with fake and real collectives. What neither sees (the CUDA
 context, NCCL's buffers, the allocator's fragmentation) is why the verdict keeps 10% of the GPU free; on a
 GPU, bench/gpu_check.py records torch.cuda.max_memory_allocated for the comparison (not yet run on a GPU).
@@ -25,6 +26,7 @@ from support.runs import assert_ok, REPO, recipe_env, run, run_recipe
 
 RECIPE = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
 DDP_RECIPE = REPO / "recipes" / "ddp" / "train.py"
+DEEPSPEED_RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 MODEL = ["--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--global-batch", "8",
          "--dtype", "float32"]
 TOLERANCE = 0.05  # of the measured total, for the total and for each kind
@@ -41,7 +43,7 @@ LAYOUTS = {  # name: (ranks, options)
 
 
 def recipe_of(name: str):
-    return DDP_RECIPE if name.startswith("ddp") else RECIPE
+    return DDP_RECIPE if name.startswith("ddp") else DEEPSPEED_RECIPE if name.startswith("deepspeed") else RECIPE
 
 
 def estimate(tmp_path, name: str, ranks: int, options: list[str], gpu: str = "a100-40", model=MODEL):
@@ -184,6 +186,55 @@ def test_a_layout_that_does_not_fit_says_so_and_what_to_change(tmp_path):
     assert report["peak_bytes"]["total"] > 0.9 * report["gpu_bytes"]
 
 
+DEEPSPEED_MODEL = ["--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--vocab-size", "256",
+                   "--global-batch", "8"]
+
+
+def small_buckets(tmp_path) -> list[str]:
+    """A DeepSpeed config whose buckets are small (1e5 elements), so that the model's own memory, not a
+    bucket, makes the peak the test compares."""
+    config = json.loads((REPO / "recipes" / "deepspeed" / "ds_config.json").read_text())
+    config["zero_optimization"].update(reduce_bucket_size=100000, allgather_bucket_size=100000,
+                                       stage3_prefetch_bucket_size=100000, stage3_param_persistence_threshold=1000)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return ["--ds-config", str(path)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeeds_estimate_is_its_real_engines_peak(stage, tmp_path):
+    """--estimate-memory on the DeepSpeed recipe builds DeepSpeed's own engine on fake tensors and a fake group
+    of 2 ranks; the real engine on 2 ranks tracks the same peak, kind by kind, in bf16 (the GPU's dtype) on
+    CPU. Measured: 0.0% at every stage."""
+    options = [*DEEPSPEED_MODEL, *small_buckets(tmp_path), "--zero-stage", str(stage)]
+    code, stdout, estimated = estimate(tmp_path, "deepspeed", 2, options, model=[])
+    assert code == 0 and f"ZeRO-{stage} on 2 ranks" in stdout and "bfloat16" in stdout, stdout
+    measured_json = tmp_path / "measured.json"
+    assert_ok(run_recipe(DEEPSPEED_RECIPE, tmp_path / "real", 2, *options, "--estimate-memory", "a100-40",
+                         "--estimate-json", str(measured_json)))
+    measured = json.loads(measured_json.read_text())
+    assert measured["measured"] and not estimated["measured"] and measured["layout"] == estimated["layout"]
+    total = measured["peak_bytes"]["total"]
+    assert total > 5e6
+    for kind in measured["peak_bytes"]:
+        assert abs(estimated["peak_bytes"][kind] - measured["peak_bytes"][kind]) <= TOLERANCE * total, \
+            (kind, estimated["peak_bytes"], measured["peak_bytes"])
+
+
+def test_zero_shards_the_optimizer_state_and_deepspeeds_default_bucket_is_a_gib(tmp_path):
+    """ZeRO-1 holds half of stage 0's optimizer state on 2 ranks; with the recipe's own config (DeepSpeed's
+    default reduce_bucket_size, 5e8 elements) every stage from 1 on allocates its bucket whole: 1 GB in bf16
+    per GPU, whatever the model's size, and the report names it."""
+    small = [*DEEPSPEED_MODEL, *small_buckets(tmp_path)]
+    _, _, stage0 = estimate(tmp_path, "deepspeed-0", 2, [*small, "--zero-stage", "0"], model=[])
+    _, _, stage1 = estimate(tmp_path, "deepspeed-1", 2, [*small, "--zero-stage", "1"], model=[])
+    assert stage1["peak_bytes"]["optimizer state"] * 2 == pytest.approx(stage0["peak_bytes"]["optimizer state"], rel=0.01)
+    _, stdout, default = estimate(tmp_path, "deepspeed-default", 2, [*DEEPSPEED_MODEL, "--zero-stage", "2"], model=[])
+    bucket = default["peak_bytes"]["total"] - stage1["peak_bytes"]["total"]  # (ZeRO-1 and 2: the same peak here)
+    assert bucket == pytest.approx(5e8 * 2, rel=0.01), default["peak_bytes"]
+    assert "reduce bucket, 5e+08 elements" in stdout
+
+
 @pytest.mark.parametrize("recipe, options, message", [
     ("fsdp_tp_pp", ["--estimate-memory", "v100", "--world", "2"],
      "--estimate-memory v100: name the GPU, one of a100-40, a100-80, h100, h200"),
@@ -192,10 +243,15 @@ def test_a_layout_that_does_not_fit_says_so_and_what_to_change(tmp_path):
      "DP 1 x --micro-batches 3 = 3"),
     ("ddp", ["--estimate-memory", "h100", "--world", "3"], "--global-batch 8 is not divisible by the world size 3"),
     ("ddp", ["--estimate-memory", "a100", "--world", "2"], "--estimate-memory a100: name the GPU"),
+    ("deepspeed", ["--estimate-memory", "h100", "--world", "2", "--pp", "2"], "--estimate-memory with --pp 2: the ZeRO layouts only"),
+    ("deepspeed", ["--estimate-memory", "h100", "--world", "3"], "train_batch_size 8 is not divisible by"),
+    ("deepspeed", ["--estimate-memory", "h100", "--world", "2", "--model", f"{REPO}/recipes/examples/bigram.py:build"],
+     "recipes/examples/bigram.py:build: the stack's GPT only here"),
 ])
 def test_what_cannot_be_estimated_is_one_line(tmp_path, recipe, options, message):
     path = recipe_of(recipe)
-    result = run([sys.executable, str(path), "--out-dir", str(tmp_path), *MODEL, *options], env=recipe_env(), timeout=120)
+    model = DEEPSPEED_MODEL if recipe == "deepspeed" else MODEL
+    result = run([sys.executable, str(path), "--out-dir", str(tmp_path), *model, *options], env=recipe_env(), timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"[{recipe}] error: ") and message in lines[0], \
         result.stderr

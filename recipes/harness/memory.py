@@ -27,7 +27,7 @@ USABLE = 0.9  # the share a run can count on; the rest: CUDA context, NCCL buffe
 
 
 def add_options(p) -> None:
-    """--estimate-memory GPU, --world N, --estimate-json FILE (the recipes that estimate: ddp, fsdp_tp_pp)."""
+    """--estimate-memory GPU, --world N, --estimate-json FILE (the recipes that estimate: ddp, fsdp_tp_pp, deepspeed)."""
     from pathlib import Path
 
     g = p.add_argument_group("will it fit (one CPU process, no GPU needed)")
@@ -147,7 +147,13 @@ def tracked_peak(modules: list, optimizers: list, train_step: Callable[[], None]
                 tracker.reset_mod_stats()  # (the tracker counts one iteration of each module's hooks at a time)
     finally:
         handle.remove()
-    (snapshot,) = tracker.get_tracker_snapshot("peak").values()  # one device
+    return peak_by_kind(tracker, optimizers)
+
+
+def peak_by_kind(tracker, optimizers: list) -> dict[str, int]:
+    """The tracker's peak by kind of tensor (KINDS) and in total, in bytes (the device's; not the meta device,
+    where DeepSpeed keeps placeholders)."""
+    (snapshot,) = [snapshot for device, snapshot in tracker.get_tracker_snapshot("peak").items() if device.type != "meta"]
     by_name = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
     peak = {label: sum(by_name.get(name, 0) for name in names) for label, names in KINDS.items()}
     peak["total"] = by_name["Total"]
@@ -160,6 +166,27 @@ def tracked_peak(modules: list, optimizers: list, train_step: Callable[[], None]
         peak["activations"] = max(0, peak["activations"] - (held - peak["optimizer state"]))
         peak["optimizer state"] = held
     return peak
+
+
+@contextlib.contextmanager
+def fake_value_reads(enabled: bool):
+    """On fake tensors, the values a framework reads while it steps (``.item()``, ``bool()``) have no data:
+    answer them as a healthy step's would, flags (bool, integer) 0 (no overflow, no inf or nan) and numbers
+    (floating) 1.0 (a step count, a finite gradient norm). DeepSpeed reads both in every optimizer step."""
+    if not enabled:
+        yield
+        return
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HealthyValues(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return 1.0 if args[0].dtype.is_floating_point else 0
+            return func(*args, **(kwargs or {}))
+
+    with HealthyValues():
+        yield
 
 
 def optimizer_state_bytes(optimizer) -> int:
