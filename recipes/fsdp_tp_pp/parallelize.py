@@ -322,7 +322,6 @@ def pipeline_actions(schedule_name: str, layout: Layout, pp_rank: int, schedule=
         for m in range(n - warmup):
             order += [("B", pp_rank, m), ("F", pp_rank, warmup + m)]
         return order + [("B", pp_rank, m) for m in range(n - warmup, n)]
-    kinds = {"F": "F", "B": "B"}  # (the compute actions: forward and full backward)
-    return [(kinds[action.computation_type.value], action.stage_index, action.microbatch_index)
+    return [(action.computation_type.value, action.stage_index, action.microbatch_index)
             for action in schedule.pipeline_order[pp_rank]
-            if action is not None and action.computation_type.value in kinds]
+            if action is not None and action.computation_type.value in ("F", "B")]  # (forward, full backward)

@@ -347,8 +347,8 @@ _left_process_group = False
 def exit_after_leaving_the_group(code: int) -> None:
     """After leave_process_group, end the process without the interpreter's teardown: what remains there is
     the destruction of torch's C++ state, where gloo has aborted a rank after a complete run (SIGABRT,
-    "terminate called without an active exception": once in this project's default test tier, which starts
-    some 600 multi-rank runs), failing a job that had trained and written everything. Files, streams and
+    "terminate called without an active exception": once in a run of this project's default test tier, among
+    its hundreds of multi-rank runs), failing a job that had trained and written everything. Files, streams and
     logs are flushed first; a process with children of its own (--data-workers) exits the ordinary way, so
     that they are shut down."""
     import logging
