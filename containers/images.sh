@@ -10,19 +10,24 @@
 #   containers/images.sh pin-cuda-bases      print the NGC bases with their digests (needs skopeo + nvcr.io)
 #
 # IMAGE: base pytorch ddp megatron deepspeed accelerate horovod (base-tf: the cuda flavor's TF base).
-# Names: hpcml/IMAGE:FLAVOR locally (podman stores them as localhost/hpcml/IMAGE:FLAVOR).
+# Names: hpcml/IMAGE:TAG locally (podman stores them as localhost/hpcml/IMAGE:TAG). TAG is the flavor: cpu,
+# cuda (the cpu flavor's twin with torch's CUDA wheels), or cuda-ngc (CUDA_BASE=ngc). The horovod image has
+# one cuda flavor, NGC's TensorFlow + Horovod, tagged cuda.
 #
 # Variables:
-#   FLAVOR       cpu (default of build and push; runs anywhere, what CI tests) | cuda (NGC bases; build on
-#                an x86_64 host that reaches nvcr.io). `pull` with ENGINE=shifter or podman-hpc defaults to
-#                cuda: those pull for GPU nodes, where the cpu image would train on the CPU
-#                that reaches nvcr.io)
+#   FLAVOR       cpu (default of build and push; runs anywhere, what CI tests) | cuda (x86_64; GPU nodes).
+#                `pull` with ENGINE=shifter or podman-hpc defaults to cuda: those pull for GPU nodes, where
+#                the cpu image would train on the CPU
+#   CUDA_BASE    what FLAVOR=cuda is built on: pypi (default: the cpu flavor's Debian base and pins, torch's
+#                CUDA wheels from PyPI, pinned in containers/pytorch/cuda-wheels.txt) | ngc (NGC's PyTorch
+#                image, tag cuda-ngc: NVIDIA's torch build with Transformer Engine and apex; reaches nvcr.io)
 #   ENGINE       podman-hpc | podman | docker | shifter (pull only); default: the first one installed
 #   REGISTRY     where push/pull go, e.g. registry.nersc.gov/myproject or 127.0.0.1:5000
 #   HPCML_IMAGES_FILE  where `pull` records the pulled image for the sbatch files (~/.config/hpcml/images)
 #   TLS_VERIFY   false for a plain-http registry such as a local test one (default true)
-#   WHEEL_DIR    a local directory of wheels, bind-mounted into pip steps (podman only); default: the
-#                directory PIP_FIND_LINKS names, if any. Never copied into a layer.
+#   WHEEL_DIR    a local directory of wheels, bind-mounted into pip steps (podman only, cpu flavor); default:
+#                the directory PIP_FIND_LINKS names, if any. Never copied into a layer. Not used by the cuda
+#                flavor: a local torch+cpu wheel would win over PyPI's CUDA build of the same version.
 #   CA_BUNDLE    a CA bundle for pip behind a TLS-inspecting proxy, given as a build secret (never a
 #                layer); default: PIP_CERT, else none
 #   NO_CACHE=1   rebuild every layer (a cold build, for benchmarks)
@@ -32,6 +37,8 @@ REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CONTAINERS_DIR=$REPO_DIR/containers
 FLAVOR_GIVEN=${FLAVOR:+1}
 FLAVOR=${FLAVOR:-cpu}
+CUDA_BASE_GIVEN=${CUDA_BASE:+1}
+CUDA_BASE=${CUDA_BASE:-pypi}
 IMAGE_REPO=${IMAGE_REPO:-hpcml}
 LEAVES="ddp megatron deepspeed accelerate horovod"
 KNOWN="base base-tf pytorch $LEAVES"
@@ -52,6 +59,10 @@ source "$CONTAINERS_DIR/versions.env"
 case $FLAVOR in
 cpu | cuda) ;;
 *) die "unknown FLAVOR '$FLAVOR': use cpu or cuda" ;;
+esac
+case $CUDA_BASE in
+pypi | ngc) ;;
+*) die "unknown CUDA_BASE '$CUDA_BASE': use pypi (torch's CUDA wheels on Debian) or ngc (NGC's PyTorch image)" ;;
 esac
 
 # The settings this project's CI machines need (runc, explicit ulimits), unless the user chose their own.
@@ -78,7 +89,25 @@ choose_engine() {
     die "no container engine found: install podman (apt-get install podman) or docker, or set ENGINE"
 }
 
-local_name() { echo "$IMAGE_REPO/$1:$FLAVOR"; }
+# The tag of IMAGE in FLAVOR (default: this build's): cpu, cuda or cuda-ngc. TensorFlow's CUDA family is
+# NGC's (docs/images.md says why): its images are :cuda whatever CUDA_BASE says.
+tag_of() {
+    local flavor=${2:-$FLAVOR}
+    if [[ $flavor == cuda && $CUDA_BASE == ngc && $1 != horovod && $1 != base-tf ]]; then
+        echo cuda-ngc
+    else
+        echo "$flavor"
+    fi
+}
+
+# What to add to `make build-IMAGE` for this flavor.
+build_settings() { echo "FLAVOR=$FLAVOR${CUDA_BASE_GIVEN:+ CUDA_BASE=$CUDA_BASE}"; }
+
+local_name() { echo "$IMAGE_REPO/$1:$(tag_of "$1")"; }
+
+# Whether IMAGE is built on an NGC image: CUDA_BASE=ngc, and the TensorFlow family's cuda flavor. (The
+# Containerfiles' FLAVOR argument is the tag: cpu, cuda or cuda-ngc.)
+uses_ngc() { [[ $FLAVOR == cuda && ($CUDA_BASE == ngc || $1 == horovod || $1 == base-tf) ]]; }
 
 # The image each one is built on, and the Containerfile it is built from.
 parent_of() {
@@ -124,14 +153,14 @@ revision() {
 # "--build-arg NAME=VALUE" pair per argument the image's Containerfile declares (engines warn about others).
 build_args() {
     local image=$1 pin parent
-    local -a pins=("FLAVOR=$FLAVOR")
+    local -a pins=("FLAVOR=$(tag_of "$image")")
     for pin in MPICH_VERSION MPI4PY_VERSION MEGATRON_CORE_VERSION PSUTIL_VERSION DEEPSPEED_VERSION \
         ACCELERATE_VERSION HOROVOD_VERSION TF_KERAS_VERSION TORCH_CPU_INDEX TENSORBOARD_VERSION \
         TRANSFORMERS_VERSION PEFT_VERSION SAFETENSORS_VERSION H5PY_VERSION WANDB_VERSION MLFLOW_SKINNY_VERSION \
         SQLALCHEMY_VERSION ALEMBIC_VERSION; do
         pins+=("$pin=${!pin}")
     done
-    if [[ $FLAVOR == cpu ]]; then
+    if ! uses_ngc "$image"; then
         pins+=("BASE_IMAGE=$CPU_BASE_IMAGE" "PYTHON_VERSION=$PYTHON_VERSION_cpu" "TORCH_VERSION=$TORCH_VERSION_cpu"
             "NUMPY_VERSION=$NUMPY_VERSION_cpu" "TENSORFLOW_VERSION=$TENSORFLOW_VERSION_cpu")
     elif [[ $image == base-tf ]]; then
@@ -155,10 +184,14 @@ qualified() {
 }
 
 ensure_cpu_base() {
-    [[ $FLAVOR == cpu && $CPU_BASE_IMAGE == localhost/* ]] || return 0
-    if ! image_exists "$CPU_BASE_IMAGE"; then
-        make_rootfs
-    fi
+    [[ $CPU_BASE_IMAGE == localhost/* ]] || return 0
+    local image
+    for image in "$@"; do
+        if ! uses_ngc "$image" && ! image_exists "$CPU_BASE_IMAGE"; then
+            make_rootfs
+            return
+        fi
+    done
 }
 
 image_exists() {
@@ -195,7 +228,7 @@ engine_build() {
     if [[ $ENGINE == podman || $ENGINE == podman-hpc ]]; then
         # docker format: the OCI format drops SHELL, and the Containerfiles rely on bash with pipefail.
         extra+=(--format docker)
-        [[ -n $WHEEL_DIR ]] && extra+=(-v "$WHEEL_DIR:/wheels:ro")
+        [[ -n $WHEEL_DIR && $FLAVOR == cpu ]] && extra+=(-v "$WHEEL_DIR:/wheels:ro")
     else
         export DOCKER_BUILDKIT=1
     fi
@@ -213,7 +246,7 @@ build_one() {
     name=$(local_name "$image")
     tmp=$(mktemp -d)
     CLEANUP+=("$tmp")
-    say "building $name (FLAVOR=$FLAVOR, engine $ENGINE)"
+    say "building $name ($(build_settings), engine $ENGINE)"
     local -a args
     mapfile -t args < <(build_args "$image")
     engine_build "${args[@]}" --iidfile "$tmp/iid" -f "$(containerfile_of "$image")" "$REPO_DIR"
@@ -242,7 +275,7 @@ build_one() {
         else
             "$ENGINE" run --rm --entrypoint hpcml-versions "$iid" --labels
         fi
-        echo "LABEL io.hpcml.image=\"$image\" io.hpcml.flavor=\"$FLAVOR\" org.opencontainers.image.title=\"hpcml/$image\"" \
+        echo "LABEL io.hpcml.image=\"$image\" io.hpcml.flavor=\"$(tag_of "$image")\" org.opencontainers.image.title=\"hpcml/$image\"" \
             "io.hpcml.build-id=\"$iid\""
         case " $LEAVES " in
         *" $image "*) echo "LABEL org.opencontainers.image.revision=\"$(revision)\"" ;;
@@ -285,7 +318,10 @@ cmd_build() {
         [[ -r $bundle ]] || die "CA_BUNDLE=$bundle is not readable"
         cat "$bundle" >"$CA_SECRET"
     fi
-    ensure_cpu_base
+    if [[ -n $WHEEL_DIR && $FLAVOR == cuda ]]; then
+        say "not using WHEEL_DIR=$WHEEL_DIR for FLAVOR=cuda: its wheels come from PyPI (pinned)"
+    fi
+    ensure_cpu_base "$@"
     BUILT=""
     local image
     for image in "$@"; do
@@ -295,11 +331,11 @@ cmd_build() {
 
 registry_ref() {
     [[ -n ${REGISTRY:-} ]] || die "set REGISTRY, e.g. REGISTRY=registry.nersc.gov/myproject (or 127.0.0.1:5000)"
-    echo "$REGISTRY/$IMAGE_REPO/$1:${2:-$FLAVOR}"
+    echo "$REGISTRY/$IMAGE_REPO/$1:${2:-$(tag_of "$1")}"
 }
 
-# Pushes the immutable :FLAVOR-COMMIT (refused if the registry holds a different image under it), then
-# moves :FLAVOR to it. Images built from uncommitted changes are refused unless ALLOW_DIRTY=1.
+# Pushes the immutable :TAG-COMMIT (refused if the registry holds a different image under it), then
+# moves :TAG to it. Images built from uncommitted changes are refused unless ALLOW_DIRTY=1.
 cmd_push() {
     (($#)) || die "name the images to push: $LEAVES"
     check_known "$@"
@@ -307,14 +343,14 @@ cmd_push() {
     local image name revision floating immutable
     for image in "$@"; do
         name=$(qualified "$(local_name "$image")")
-        image_exists "$name" || die "$name is not built here: make build-$image FLAVOR=$FLAVOR"
+        image_exists "$name" || die "$name is not built here: make build-$image $(build_settings)"
         revision=$("$ENGINE" image inspect --format '{{ index .Config.Labels "org.opencontainers.image.revision" }}' "$name")
         [[ -n $revision && $revision != "<no value>" ]] || die "$name has no revision label: push the leaf images ($LEAVES)"
         if [[ $revision == *-dirty && ${ALLOW_DIRTY:-0} != 1 ]]; then
             die "$name was built from uncommitted changes ($revision): commit and rebuild, or set ALLOW_DIRTY=1"
         fi
         floating=$(registry_ref "$image")
-        immutable=$(registry_ref "$image" "$FLAVOR-$revision")
+        immutable=$(registry_ref "$image" "$(tag_of "$image")-$revision")
         check_immutable "$name" "$immutable"
         push_one "$name" "$immutable"
         push_one "$name" "$floating"
@@ -354,7 +390,7 @@ cmd_pull() {
     # Shifter and podman-hpc pull for the GPU nodes of an HPC center: the GPU flavor, unless asked otherwise.
     [[ -z $FLAVOR_GIVEN && ($ENGINE == shifter || $ENGINE == podman-hpc) ]] && flavor=cuda
     for image in "$@"; do
-        ref=$(registry_ref "$image" "${TAG:-$flavor}")
+        ref=$(registry_ref "$image" "${TAG:-$(tag_of "$image" "$flavor")}")
         say "pulling $ref with $ENGINE"
         case $ENGINE in
         shifter) shifterimg pull "docker:$ref" ;;
@@ -393,7 +429,7 @@ cmd_versions() {
     check_known "$1"
     local name
     name=$(qualified "$(local_name "$1")")
-    image_exists "$name" || die "$name is not built here: make build-$1 FLAVOR=$FLAVOR"
+    image_exists "$name" || die "$name is not built here: make build-$1 $(build_settings)"
     echo "# labels of $name"
     # shellcheck disable=SC2016 # a Go template for the engine, not a shell expansion
     "$ENGINE" image inspect --format '{{ range $k, $v := .Config.Labels }}{{ $k }}={{ $v }}{{ "\n" }}{{ end }}' "$name" |
@@ -408,7 +444,7 @@ cmd_wheels() {
     check_known "$1"
     local name container
     name=$(qualified "$(local_name "$1")")
-    image_exists "$name" || die "$name is not built here: make build-$1 FLAVOR=$FLAVOR"
+    image_exists "$name" || die "$name is not built here: make build-$1 $(build_settings)"
     mkdir -p "$2"
     container=$("$ENGINE" create "$name")
     "$ENGINE" cp "$container:/opt/hpcml/wheels/." "$2" || { "$ENGINE" rm "$container" >/dev/null; die "$name has no /opt/hpcml/wheels"; }
