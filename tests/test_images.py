@@ -1,11 +1,13 @@
 """The image sanity suite: what every built image must be, checked from outside and from inside.
 
-Runs on the cpu flavor of the images in HPCML_TEST_IMAGES (default: all five, ddp, accelerate, deepspeed,
-megatron and horovod). Each image: runs as non-root; its labels are present and
-say what it really holds; its framework imports; MPI's hello runs on 2 ranks and MPI users load the
-image's libmpi.so.12 by default, and another one when it comes first on LD_LIBRARY_PATH (how Shifter and
-podman-hpc put Cray MPICH in place); no layer holds the build's CA bundle or a credential.
-The Containerfiles pass hadolint, and containers/images.sh rejects bad input with one line.
+Runs on the images in HPCML_TEST_IMAGES (default: all five, ddp, accelerate, deepspeed, megatron and
+horovod) in the flavor HPCML_TEST_FLAVOR names (default cpu; `make test-cuda-images` runs the cuda flavor of
+the PyTorch family, tests/test_cuda_images.py adds its own checks). Each image: runs as non-root; its labels
+are present and say what it really holds; its framework imports and its recipes start; MPI's hello runs on
+2 ranks and MPI users load the image's libmpi.so.12 by default, and another one when it comes first on
+LD_LIBRARY_PATH (how Shifter and podman-hpc put Cray MPICH in place); no layer holds the build's CA bundle
+or a credential; its environment sets no NCCL variable. The Containerfiles pass hadolint, and
+containers/images.sh rejects bad input with one line.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from support.cluster import build_images, shifter_pull
 from support.runs import container_env, REPO, run
 
 pytestmark = pytest.mark.containers
-IMAGES = os.environ.get("HPCML_TEST_IMAGES", "ddp accelerate deepspeed megatron horovod").split()
+FLAVOR = os.environ.get("HPCML_TEST_FLAVOR", "cpu")  # the image tag: cpu, cuda or cuda-ngc
+IMAGES = os.environ.get("HPCML_TEST_IMAGES", "ddp accelerate deepspeed megatron horovod" if FLAVOR == "cpu"
+                        else "ddp accelerate deepspeed megatron").split()
 IMAGES_TOOL = ["bash", str(REPO / "containers" / "images.sh")]
 IMPORT_CHECK = {
     "ddp": "import torch; assert torch.distributed.is_available() and torch.distributed.is_gloo_available()",
@@ -43,6 +47,15 @@ IMPORT_CHECK = {
                  "cache = os.environ[\"TORCH_EXTENSIONS_DIR\"]; "
                  "assert not os.path.exists(cache) or not os.listdir(cache), os.listdir(cache)",
     "accelerate": "import accelerate; accelerate.Accelerator(cpu=True)",
+    # The cuda flavor prebuilds FusedAdam (DeepSpeed's default Adam on GPUs) and has no compiler: loading the op
+    # (no GPU needed) compiles nothing either.
+    "deepspeed-cuda": "import os; os.environ[\"TORCH_EXTENSIONS_DIR\"] = \"/tmp/ops-check\"; os.environ[\"DS_ACCELERATOR\"] = \"cuda\"; "
+                      "import shutil, deepspeed; from deepspeed.git_version_info import installed_ops; "
+                      "from deepspeed.ops.op_builder import FusedAdamBuilder; "
+                      "assert [op for op, built in installed_ops.items() if built] == [\"fused_adam\"], installed_ops; "
+                      "assert not shutil.which(\"nvcc\") and not shutil.which(\"g++\"); "
+                      "FusedAdamBuilder().load(); cache = os.environ[\"TORCH_EXTENSIONS_DIR\"]; "
+                      "assert not os.path.exists(cache) or not os.listdir(cache), os.listdir(cache)",
     # Horovod for both frameworks, gloo and MPI controllers (horovodrun --check-build misreports: asked directly);
     # Keras 2 (tf-keras) behind tf.keras, which Horovod's TensorFlow integration needs.
     "horovod": "import horovod.tensorflow as hvd, horovod.torch as hvd_torch, tensorflow as tf; hvd.init(); "
@@ -57,9 +70,18 @@ FRAMEWORK_LABELS = {  # the framework labels each image must carry, besides pyth
     "deepspeed": {"torch", "numpy", "deepspeed", "accelerate"}, "accelerate": {"torch", "numpy", "accelerate"},
     "horovod": {"tensorflow", "torch", "numpy", "horovod", "accelerate"},
 }
+# The recipes each image runs (slurm/<recipe>.sh): every one must start in it (`--help` imports all it needs).
+RECIPES = {"ddp": ["ddp", "fsdp_tp_pp"], "megatron": ["megatron_tp_pp"], "deepspeed": ["deepspeed"],
+           "accelerate": ["accelerate"], "horovod": ["horovod", "tf_mirrored"]}
 LIBMPI_IN_MAPS = ("import mpi4py.MPI as MPI; "
                   "print([line.split()[-1] for line in open('/proc/self/maps') if 'libmpi.so.12' in line][0]); "
                   "print(MPI.Get_library_version().splitlines()[0])")
+
+
+def cuda_wheel_pins() -> dict[str, str]:
+    """containers/pytorch/cuda-wheels.txt: {package: version}."""
+    lines = (REPO / "containers" / "pytorch" / "cuda-wheels.txt").read_text().splitlines()
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
 
 
 def versions_env() -> dict[str, str]:
@@ -73,7 +95,11 @@ def versions_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def images() -> list[str]:
-    build_images(*IMAGES)
+    return images_built()
+
+
+def images_built(flavor: str = FLAVOR) -> list[str]:
+    build_images(*IMAGES, flavor=flavor)
     return IMAGES
 
 
@@ -82,20 +108,20 @@ def podman(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def in_image(image: str, script: str, *run_options: str) -> str:
-    result = podman("run", "--rm", *run_options, f"hpcml/{image}:cpu", "bash", "-c", script)
+    result = podman("run", "--rm", *run_options, f"hpcml/{image}:{FLAVOR}", "bash", "-c", script)
     assert result.returncode == 0, f"in {image}: {script}\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
 
 def labels(image: str) -> dict[str, str]:
-    result = podman("image", "inspect", f"hpcml/{image}:cpu")
+    result = podman("image", "inspect", f"hpcml/{image}:{FLAVOR}")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)[0]["Config"]["Labels"]
 
 
 @pytest.mark.parametrize("image", IMAGES)
 def test_runs_as_non_root_by_default(images, image):
-    config = json.loads(podman("image", "inspect", f"hpcml/{image}:cpu").stdout)[0]["Config"]
+    config = json.loads(podman("image", "inspect", f"hpcml/{image}:{FLAVOR}").stdout)[0]["Config"]
     assert config["User"] == "10001"
     assert in_image(image, "id -u; id -un; touch /opt/venv/x 2>/dev/null && echo writable || echo read-only").split() == \
         ["10001", "hpcml", "read-only"]
@@ -109,27 +135,46 @@ def test_labels_are_present_and_true(images, image):
                       if key.startswith("io.hpcml.version.")}
     # Every label says what the image holds, and every framework it holds has a label.
     assert version_labels == {key: value for key, value in inside.items()
-                              if value != "none" or key in ("cuda", "nccl", "mpi")}
-    assert {"python", "mpi", "mpi4py", "cuda", "nccl"} | FRAMEWORK_LABELS[image] == set(version_labels)
-    # ... and matches the pins of versions.env (the cpu flavor).
+                              if value != "none" or key in ("cuda", "nccl", "cudnn", "mpi")}
+    assert {"python", "mpi", "mpi4py", "cuda", "nccl", "cudnn"} | FRAMEWORK_LABELS[image] == set(version_labels)
+    # ... and matches the pins of versions.env (the cpu flavor's, which the cuda flavor shares).
     pins = versions_env()
     assert version_labels["python"].startswith(pins["PYTHON_VERSION_cpu"] + ".")
     assert version_labels["mpi"] == f"mpich {pins['MPICH_VERSION']}" and version_labels["mpi4py"] == pins["MPI4PY_VERSION"]
-    assert version_labels["cuda"] == version_labels["nccl"] == "none"
+    if FLAVOR == "cpu":
+        assert version_labels["cuda"] == version_labels["nccl"] == version_labels["cudnn"] == "none"
+    else:  # read from the libraries themselves (hpcml-versions), against the wheels pip installed
+        wheels = cuda_wheel_pins()
+        assert version_labels["nccl"] == wheels["nvidia-nccl-cu13"], version_labels
+        assert wheels["nvidia-cudnn-cu13"].startswith(version_labels["cudnn"] + "."), version_labels
+        assert wheels["nvidia-cuda-runtime"].startswith(version_labels["cuda"] + "."), version_labels
     expected_pins = {"torch": "TORCH_VERSION_cpu", "tensorflow": "TENSORFLOW_VERSION_cpu", "horovod": "HOROVOD_VERSION",
                      "megatron-core": "MEGATRON_CORE_VERSION", "deepspeed": "DEEPSPEED_VERSION",
                      "accelerate": "ACCELERATE_VERSION"}
     for framework, pin in expected_pins.items():
         if framework in version_labels:
             assert re.fullmatch(re.escape(pins[pin]) + r"(\+\w+)?", version_labels[framework]), framework
-    assert image_labels["io.hpcml.image"] == image and image_labels["io.hpcml.flavor"] == "cpu"
+    assert image_labels["io.hpcml.image"] == image and image_labels["io.hpcml.flavor"] == FLAVOR
     head = run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"]).stdout.strip()
     assert image_labels["org.opencontainers.image.revision"] in (head, f"{head}-dirty")
 
 
 @pytest.mark.parametrize("image", IMAGES)
-def test_framework_imports(images, image):
-    in_image(image, f"python -c '{IMPORT_CHECK[image]}'")
+def test_framework_imports_and_every_recipe_starts(images, image):
+    check = IMPORT_CHECK.get(f"{image}-{FLAVOR}", IMPORT_CHECK[image])
+    in_image(image, f"python -c '{check}'")
+    for recipe in RECIPES[image]:
+        usage = in_image(image, f"python /opt/hpcml/recipes/{recipe}/train.py --help")
+        assert usage.startswith("usage: train.py"), usage[:400]
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_no_nccl_setting_in_the_images_environment(images, image):
+    """The launcher (slurm/lib/launch.sh) and the site's modules choose NCCL's network plugin and transport
+    (Slingshot's OFI plugin on Perlmutter); an NCCL_* variable in the image's environment would override them
+    under Shifter, where the image's environment wins (recent NGC PyTorch images set NCCL_NET_PLUGIN)."""
+    env = json.loads(podman("image", "inspect", f"hpcml/{image}:{FLAVOR}").stdout)[0]["Config"]["Env"] or []
+    assert not [variable for variable in env if variable.startswith("NCCL_")], env
 
 
 @pytest.mark.parametrize("image", IMAGES)
@@ -213,11 +258,11 @@ def secrets_in_layers(reference: str) -> tuple[int, list[str]]:
 @pytest.mark.parametrize("image", IMAGES)
 def test_no_ca_bundle_or_credential_in_any_layer(images, image):
     """The build's CA bundle is a build secret: no layer, no history line, no variable may hold it."""
-    layers, found = secrets_in_layers(f"hpcml/{image}:cpu")
+    layers, found = secrets_in_layers(f"hpcml/{image}:{FLAVOR}")
     assert layers >= 5 and not found, (layers, found)
-    inspect = json.loads(podman("image", "inspect", f"hpcml/{image}:cpu").stdout)[0]
+    inspect = json.loads(podman("image", "inspect", f"hpcml/{image}:{FLAVOR}").stdout)[0]
     assert not [v for v in inspect["Config"]["Env"] if v.startswith(("PIP_CERT", "REQUESTS_CA", "SSL_CERT"))]
-    history = podman("history", "--no-trunc", "--format", "{{.CreatedBy}}", f"hpcml/{image}:cpu").stdout
+    history = podman("history", "--no-trunc", "--format", "{{.CreatedBy}}", f"hpcml/{image}:{FLAVOR}").stdout
     assert "BEGIN CERTIFICATE" not in history and str(BUILD_CA_BUNDLE) not in history
     # ... and the copy images.sh hands to the build as the secret is gone once it has finished (the copy of a
     # build still running, another test's, carries a live PID: hpcml-ca.<pid>.XXXXXX).
@@ -255,6 +300,7 @@ def test_hadolint_passes_on_every_containerfile():
 @pytest.mark.parametrize(("args", "env", "message"), [
     (["build", "pytorch2"], {}, "unknown image 'pytorch2': use one of:"),
     (["build", "ddp"], {"FLAVOR": "rocm"}, "unknown FLAVOR 'rocm': use cpu or cuda"),
+    (["build", "ddp"], {"FLAVOR": "cuda", "CUDA_BASE": "conda"}, "unknown CUDA_BASE 'conda': use pypi"),
     (["build", "ddp"], {"ENGINE": "no-such-engine"}, "ENGINE=no-such-engine is not installed"),
     (["push", "ddp"], {"REGISTRY": ""}, "set REGISTRY"),
     (["versions", "ddp"], {"IMAGE_REPO": "hpcml-never-built"}, "hpcml-never-built/ddp:cpu is not built here: make build-ddp"),
@@ -271,9 +317,9 @@ def test_under_shifter_the_jobs_own_settings_reach_the_command(images, image, cl
     per user: the DeepSpeed/Triton op caches (one /tmp directory for every user of a node otherwise).
     Through the Shifter stand-in, as a normal user: their values arrive, the command runs as them, and in
     their working directory."""
-    shifter_pull(image)
+    shifter_pull(image, flavor=FLAVOR)
     mine = {"TORCH_EXTENSIONS_DIR": f"/tmp/torch_extensions-{cluster_user.uid}", "TRITON_CACHE_DIR": f"/tmp/triton-{cluster_user.uid}"}
-    result = cluster_user.run(["shifter", f"--image=docker:hpcml/{image}:cpu", "sh", "-c",
+    result = cluster_user.run(["shifter", f"--image=docker:hpcml/{image}:{FLAVOR}", "sh", "-c",
                                'echo "$TORCH_EXTENSIONS_DIR $TRITON_CACHE_DIR $(id -u) $PWD $SHIFTER_RUNTIME"'], env=mine, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [*mine.values(), str(cluster_user.uid), str(cluster_user.repo), "1"]

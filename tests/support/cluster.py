@@ -102,14 +102,19 @@ def step_launches(job_id: str, step: int = 0) -> dict[str, int]:
     return launched
 
 
-def build_images(*images: str) -> None:
-    """Build the cpu flavor of the images (from cache when unchanged). A failed build fails the test.
+def flavor_env(flavor: str) -> dict[str, str]:
+    """containers/images.sh's settings for an image tag: cpu, cuda, or cuda-ngc (FLAVOR=cuda CUDA_BASE=ngc)."""
+    return {"FLAVOR": "cuda", "CUDA_BASE": "ngc"} if flavor == "cuda-ngc" else {"FLAVOR": flavor, "CUDA_BASE": "pypi"}
+
+
+def build_images(*images: str, flavor: str = "cpu") -> None:
+    """Build the images in a flavor (default cpu; from cache when unchanged). A failed build fails the test.
 
     Call it from a fixture (below), not from a test's body: the per-test timeout counts only the test's
     own call (pyproject.toml: timeout_func_only), and a cold build of the horovod image takes ~10 minutes.
     Concurrent builds (pytest-xdist workers) wait for each other: containers/images.sh takes a lock."""
     result = run(["bash", str(REPO / "containers" / "images.sh"), "build", *images],
-                 env=container_env(FLAVOR="cpu"), timeout=3600)
+                 env=container_env(**flavor_env(flavor)), timeout=3600)
     assert result.returncode == 0, f"image build failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
 
 
@@ -181,14 +186,14 @@ def podman_hpc_store_lock():
         yield
 
 
-def podman_hpc_migrate(user: ClusterUser, *images: str) -> None:
-    """The cpu images into the user's squashed store, and only there (a Perlmutter compute node sees no
+def podman_hpc_migrate(user: ClusterUser, *images: str, flavor: str = "cpu") -> None:
+    """The images (default: cpu flavor) into the user's squashed store, and only there (a Perlmutter compute node sees no
     other): root's image piped into `podman-hpc load` (as the user), migrated, the local copy removed.
     Skipped for an image whose squashed copy has root's image ID already. `podman-hpc migrate` exits 0
     when it fails, so the store itself is asked afterwards (slurm/lib/squashed_image.sh)."""
     with podman_hpc_store_lock():
         for image in images:
-            name = f"localhost/hpcml/{image}:cpu"
+            name = f"localhost/hpcml/{image}:{flavor}"
             image_id = run(["podman", "image", "inspect", "--format", "{{.Id}}", name], env=container_env()).stdout.strip()
             # (podman-hpc silences podman's own errors unless asked: --log-level)
             listed = user.run(["podman-hpc", "--log-level=error", "images", "--no-trunc", "--format",
@@ -224,10 +229,10 @@ def podman_load_as_user(user: ClusterUser, *images: str) -> None:
                 pipe_image_to_user(user, name, "podman", "load")
 
 
-def shifter_pull(*images: str) -> None:
-    """The image gateway pulls these cpu images (as its admin, root), as `shifterimg pull` on Perlmutter."""
+def shifter_pull(*images: str, flavor: str = "cpu") -> None:
+    """The image gateway pulls these images (as its admin, root), as `shifterimg pull` on Perlmutter."""
     for image in images:
-        result = run([str(REPO / SHIFTER_STAND_IN / "shifterimg"), "pull", f"docker:hpcml/{image}:cpu"],
+        result = run([str(REPO / SHIFTER_STAND_IN / "shifterimg"), "pull", f"docker:hpcml/{image}:{flavor}"],
                      env={**os.environ, "SHIFTER_GATEWAY_DIR": str(SHIFTER_GATEWAY)}, timeout=300)
         assert result.returncode == 0, result.stderr
 
