@@ -25,7 +25,7 @@ ifdef FLAVOR
 export FLAVOR
 endif
 # CUDA_BASE (FLAVOR=cuda): pypi (default; torch's CUDA wheels on the cpu flavor's Debian base) or ngc
-# (NGC's PyTorch image, tag cuda-ngc). docs/containers.md compares them.
+# (NGC's PyTorch image, tag cuda-ngc). docs/images.md compares them.
 ifdef CUDA_BASE
 export CUDA_BASE
 endif

@@ -56,6 +56,7 @@ IMPORT_CHECK = {
                       "assert not shutil.which(\"nvcc\") and not shutil.which(\"g++\"); "
                       "FusedAdamBuilder().load(); cache = os.environ[\"TORCH_EXTENSIONS_DIR\"]; "
                       "assert not os.path.exists(cache) or not os.listdir(cache), os.listdir(cache)",
+    "deepspeed-cuda-ngc": "import deepspeed",  # nothing prebuilt: NGC's CUDA toolkit JIT-compiles ops
     # Horovod for both frameworks, gloo and MPI controllers (horovodrun --check-build misreports: asked directly);
     # Keras 2 (tf-keras) behind tf.keras, which Horovod's TensorFlow integration needs.
     "horovod": "import horovod.tensorflow as hvd, horovod.torch as hvd_torch, tensorflow as tf; hvd.init(); "
@@ -95,11 +96,7 @@ def versions_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def images() -> list[str]:
-    return images_built()
-
-
-def images_built(flavor: str = FLAVOR) -> list[str]:
-    build_images(*IMAGES, flavor=flavor)
+    build_images(*IMAGES, flavor=FLAVOR)
     return IMAGES
 
 
@@ -137,20 +134,24 @@ def test_labels_are_present_and_true(images, image):
     assert version_labels == {key: value for key, value in inside.items()
                               if value != "none" or key in ("cuda", "nccl", "cudnn", "mpi")}
     assert {"python", "mpi", "mpi4py", "cuda", "nccl", "cudnn"} | FRAMEWORK_LABELS[image] == set(version_labels)
-    # ... and matches the pins of versions.env (the cpu flavor's, which the cuda flavor shares).
+    # ... and matches the pins of versions.env (the cpu flavor's, which the cuda flavor shares; on an NGC base,
+    # Python, torch, CUDA, cuDNN and NCCL are NGC's release's).
     pins = versions_env()
-    assert version_labels["python"].startswith(pins["PYTHON_VERSION_cpu"] + ".")
     assert version_labels["mpi"] == f"mpich {pins['MPICH_VERSION']}" and version_labels["mpi4py"] == pins["MPI4PY_VERSION"]
+    expected_pins = {"tensorflow": "TENSORFLOW_VERSION_cpu", "horovod": "HOROVOD_VERSION", "megatron-core": "MEGATRON_CORE_VERSION",
+                     "deepspeed": "DEEPSPEED_VERSION", "accelerate": "ACCELERATE_VERSION"}
+    if FLAVOR == "cuda-ngc":
+        assert "none" not in (version_labels["cuda"], version_labels["nccl"], version_labels["cudnn"]), version_labels
+    else:
+        assert version_labels["python"].startswith(pins["PYTHON_VERSION_cpu"] + ".")
+        expected_pins["torch"] = "TORCH_VERSION_cpu"
     if FLAVOR == "cpu":
         assert version_labels["cuda"] == version_labels["nccl"] == version_labels["cudnn"] == "none"
-    else:  # read from the libraries themselves (hpcml-versions), against the wheels pip installed
+    elif FLAVOR == "cuda":  # read from the libraries themselves (hpcml-versions), against the wheels pip installed
         wheels = cuda_wheel_pins()
         assert version_labels["nccl"] == wheels["nvidia-nccl-cu13"], version_labels
         assert wheels["nvidia-cudnn-cu13"].startswith(version_labels["cudnn"] + "."), version_labels
         assert wheels["nvidia-cuda-runtime"].startswith(version_labels["cuda"] + "."), version_labels
-    expected_pins = {"torch": "TORCH_VERSION_cpu", "tensorflow": "TENSORFLOW_VERSION_cpu", "horovod": "HOROVOD_VERSION",
-                     "megatron-core": "MEGATRON_CORE_VERSION", "deepspeed": "DEEPSPEED_VERSION",
-                     "accelerate": "ACCELERATE_VERSION"}
     for framework, pin in expected_pins.items():
         if framework in version_labels:
             assert re.fullmatch(re.escape(pins[pin]) + r"(\+\w+)?", version_labels[framework]), framework
