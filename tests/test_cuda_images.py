@@ -20,9 +20,9 @@ import pytest
 
 from support.cluster import build_images, podman_hpc_migrate
 from support.curves import losses, max_relative_difference, PARITY_RTOL, read_metrics
-from support.runs import container_env, REPO, run, TINY
+from support.runs import REPO, TINY
 from test_images import cuda_wheel_pins, IMAGES, labels, podman, versions_env
-from test_registry import make, registry, tags  # noqa: F401 (registry: the fixture)
+from test_registry import assert_pulled_is_pushed, empty_image_store, make, registry, tags  # noqa: F401 (registry: the fixture)
 
 pytestmark = [pytest.mark.containers, pytest.mark.cuda_images]
 SIZE_GOAL = 10 * 10**9  # bytes, per image (issue: "goal <= 10 GB per image")
@@ -104,18 +104,9 @@ def test_push_and_pull_round_trip(registry, cuda_images, tmp_path):  # noqa: F81
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
     revision = pushed.stdout.strip().splitlines()[-1].rsplit(":cuda-", 1)[1]
     assert {"cuda", f"cuda-{revision}"} <= set(tags(registry, "hpcml/ddp"))
-    store = tmp_path / "store"
-    storage_conf = tmp_path / "storage.conf"
-    storage_conf.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{store}/graph"\nrunroot = "{store}/run"\n')
-    fresh = {"CONTAINERS_STORAGE_CONF": str(storage_conf), "HPCML_IMAGES_FILE": str(tmp_path / "images")}
-    try:
+    with empty_image_store(tmp_path) as fresh:
         pulled = make("pull-ddp", FLAVOR="cuda", REGISTRY=registry, TLS_VERIFY="false", ENGINE="podman", **fresh)
         assert pulled.returncode == 0, pulled.stdout + pulled.stderr
         reference = f"{registry}/hpcml/ddp:cuda"
-        ids = [json.loads(run(["podman", "image", "inspect", image], env=container_env(**env)).stdout)[0]["Id"]
-               for image, env in ((reference, fresh), ("hpcml/ddp:cuda", {}))]
-        assert ids[0] == ids[1], "the pulled image differs from the one pushed"
+        assert_pulled_is_pushed(reference, "hpcml/ddp:cuda", fresh)
         assert (tmp_path / "images").read_text() == f"ddp={reference}\n"
-    finally:
-        run(["podman", "rmi", "--all", "--force"], env=container_env(**fresh), timeout=300)
-        shutil.rmtree(store, ignore_errors=True)

@@ -9,11 +9,13 @@ started and stopped by the tests. The pulled image goes to a separate, empty pod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +59,29 @@ def tags(registry: str, repository: str) -> list[str]:
         return sorted(json.load(response)["tags"])
 
 
+@contextlib.contextmanager
+def empty_image_store(tmp_path: Path):
+    """An empty podman store (only what comes from the registry will be there) and the file `make pull-IMAGE`
+    records the pulled image in: the environment that selects both. Emptied and removed afterwards."""
+    store = tmp_path / "store"
+    storage_conf = tmp_path / "storage.conf"
+    storage_conf.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{store}/graph"\nrunroot = "{store}/run"\n')
+    fresh = {"CONTAINERS_STORAGE_CONF": str(storage_conf), "HPCML_IMAGES_FILE": str(tmp_path / "images")}
+    try:
+        listed = run(["podman", "images", "--format", "{{.Repository}}"], env=container_env(**fresh))
+        assert listed.returncode == 0 and listed.stdout.strip() == "", listed.stdout + listed.stderr
+        yield fresh
+    finally:
+        run(["podman", "rmi", "--all", "--force"], env=container_env(**fresh), timeout=300)
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def assert_pulled_is_pushed(reference: str, local: str, fresh: dict[str, str]) -> None:
+    ids = [json.loads(run(["podman", "image", "inspect", image], env=container_env(**env)).stdout)[0]["Id"]
+           for image, env in ((reference, fresh), (local, {}))]
+    assert ids[0] == ids[1], f"the pulled image {reference} differs from the one pushed ({local})"
+
+
 def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, ddp_image, tmp_path):
     pushed = make("push-ddp", REGISTRY=registry, TLS_VERIFY="false", ALLOW_DIRTY="1")
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
@@ -64,21 +89,11 @@ def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, ddp_im
     revision = immutable.rsplit(":cpu-", 1)[1]
     assert tags(registry, "hpcml/ddp") == sorted(["cpu", f"cpu-{revision}"])
 
-    # An empty image store: only what comes from the registry is there.
-    store = tmp_path / "store"
-    storage_conf = tmp_path / "storage.conf"
-    storage_conf.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{store}/graph"\nrunroot = "{store}/run"\n')
-    # The pulled image is recorded here (`make pull-IMAGE` names it once for every job).
-    fresh = {"CONTAINERS_STORAGE_CONF": str(storage_conf), "HPCML_IMAGES_FILE": str(tmp_path / "images")}
-    try:
-        listed = run(["podman", "images", "--format", "{{.Repository}}"], env=container_env(**fresh))
-        assert listed.returncode == 0 and listed.stdout.strip() == "", listed.stdout + listed.stderr
+    with empty_image_store(tmp_path) as fresh:
         pulled = make("pull-ddp", REGISTRY=registry, TLS_VERIFY="false", ENGINE="podman", **fresh)
         assert pulled.returncode == 0, pulled.stdout + pulled.stderr
         reference = f"{registry}/hpcml/ddp:cpu"
-        ids = [json.loads(run(["podman", "image", "inspect", image], env=container_env(**env)).stdout)[0]["Id"]
-               for image, env in ((reference, fresh), ("hpcml/ddp:cpu", {}))]
-        assert ids[0] == ids[1], "the pulled image differs from the one pushed"
+        assert_pulled_is_pushed(reference, "hpcml/ddp:cpu", fresh)
 
         code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "ddp", "-N", "2", "--ntasks-per-node", "1",
                                          recipe_args=[*TINY, "--max-steps", "3", "--global-batch", "4", "--checkpoint-every", "0"],
@@ -88,9 +103,6 @@ def test_push_pull_and_run_from_the_pulled_image(registry, slurm_cluster, ddp_im
         assert f"image=docker:{reference} (from {tmp_path / 'images'})" in log
         metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
         assert metrics["world_size"] == 2 and metrics["container"] == "podman"
-    finally:
-        run(["podman", "rmi", "--all", "--force"], env=container_env(**fresh), timeout=120)
-        shutil.rmtree(store, ignore_errors=True)
 
 
 def test_podman_hpc_pull_squashes_the_image_and_a_users_job_runs_from_it(registry, slurm_cluster, ddp_image, podman_hpc_user, tmp_path):
