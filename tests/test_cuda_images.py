@@ -1,13 +1,13 @@
 """The cuda flavor's own checks, without a GPU: `make test-cuda-images` runs these and tests/test_images.py on
 the cuda flavor of the PyTorch family (HPCML_TEST_FLAVOR=cuda). Not in `make test`: a cold build downloads
-~3 GB of CUDA wheels and writes ~6 GB per image family (docs/tests.md gives the tier's time).
+~3 GB of CUDA wheels and the tier needs ~26 GB of disk at its peak (docs/tests.md gives its time).
 
 Each cuda image: its size (goal: 10 GB or less, every size written to runs/cuda-images/sizes.json); its torch
 is PyPI's CUDA build of the pinned version with exactly the pinned CUDA wheels, consistent (pip check); the
 DDP recipe trains in it on 2 gloo ranks (no GPU here) and matches one process; a normal user runs it through
 podman-hpc from the squashed store (the user inside is the user) and root runs it under podman; it goes
-through the local registry and back unchanged. The GPU side (NCCL, kernels): bench/gpu_check.py's
-`--cuda-wheels` venv, docs/validated.toml.
+through the local registry and back unchanged. The GPU side (NCCL, kernels): `make venv-cuda` and the
+commands of docs/gpu-checks.md, listed in docs/validated.toml until they have run.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_torch_is_the_pinned_cuda_build_with_exactly_the_pinned_wheels(cuda_imag
     assert not wrong, f"pinned vs installed: {wrong}"
 
 
-def ddp_losses(out: str, nproc: int) -> str:
+def ddp_command(out: str, nproc: int) -> str:
     return (f"torchrun --standalone --nproc_per_node={nproc} /opt/hpcml/recipes/ddp/train.py --out-dir {out} "
             f"{' '.join(TINY)} --max-steps 4 --global-batch 8 --optimizer sgd --lr 0.1 --checkpoint-every 0 --no-resume")
 
@@ -68,7 +68,7 @@ def test_the_ddp_recipe_trains_in_it_on_cpu_and_matches_one_process(cuda_images,
     """No GPU here: the CUDA build of torch falls back to the CPU and gloo, as the recipe decides from inside
     (the GPU path is the gpu check's). 2 ranks against 1 on the same global batch."""
     tmp_path.chmod(0o777)  # the image's user (uid 10001) writes the runs
-    script = f"{ddp_losses('/runs/two', 2)} && {ddp_losses('/runs/one', 1)}"
+    script = f"{ddp_command('/runs/two', 2)} && {ddp_command('/runs/one', 1)}"
     result = podman("run", "--rm", "-e", "OMP_NUM_THREADS=1", "-v", f"{tmp_path}:/runs", "hpcml/ddp:cuda",
                     "bash", "-c", script, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
