@@ -5,6 +5,8 @@
 - ``check_expected_world_size``: refuse a world other than the one slurm/lib/launch.sh started.
 - ``check_gpus_visible``: refuse to train on the CPU when Slurm gave the job GPUs.
 - ``setup_torch_distributed``: device and backend (NCCL on CUDA, gloo on CPU) and the process group.
+- ``startup_times``: where this process's start-up went (the launcher's preflight, srun and the container,
+  Python's imports, the rendezvous), for metrics.json: at scale these, not the steps, are a job's first minutes.
 - ``leave_process_group``: the teardown at the end of a run (``exit_after_leaving_the_group``: and the exit).
 - ``all_hostnames``, ``mean_across_ranks``, ``max_difference_across_ranks``, ``max_across_ranks``: the few
   collectives every PyTorch recipe needs for its logs, its stop agreement and its end-of-run proof.
@@ -23,6 +25,7 @@ import os
 import re
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -260,6 +263,56 @@ def cpu_list(cpus) -> str:
     return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in ranges)
 
 
+# Wall-clock marks of this process's start-up (seconds since the epoch), filled in by setup_torch_distributed.
+_STARTUP: dict[str, float] = {}
+
+
+def process_started_at() -> float | None:
+    """When this process was started (Linux), so that the imports before any harness code are counted too.
+
+    /proc/self/stat gives the start in clock ticks since boot; CLOCK_BOOTTIME is now on the same clock."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - age
+
+
+def _launcher_mark(name: str) -> float | None:
+    """A time slurm/lib/launch.sh exported (HPCML_BATCH_STARTED_AT, ...), None outside its jobs."""
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def startup_times() -> dict:
+    """This process's start-up, in seconds, as metrics.json's "startup" records it (rank 0's view).
+
+    batch_started_at/step_started_at: when the job's batch script reached the launcher and when it started
+    srun (after the preflight, preflight_s); process_started_at: this Python process (after srun and the
+    container runtime: srun_to_process_s); imports_s: from there to the process group (Python's imports:
+    a shared file system's metadata storm at scale); rendezvous_s: joining the process group, which ends
+    when the last rank has joined, so it also holds the slowest rank's lag; arrival_spread_s: between the
+    first and the last rank reaching the group (their start-up's spread); rendezvous_after_last_arrival_s:
+    the rendezvous itself (store and connections) once the last rank was there."""
+    times: dict = {"batch_started_at": _launcher_mark("HPCML_BATCH_STARTED_AT"),
+                   "preflight_s": _launcher_mark("HPCML_PREFLIGHT_S"),
+                   "step_started_at": _launcher_mark("HPCML_STEP_STARTED_AT"),
+                   "process_started_at": process_started_at()}
+    if times["step_started_at"] is not None and times["process_started_at"] is not None:
+        times["srun_to_process_s"] = times["process_started_at"] - times["step_started_at"]
+    if "group_started_at" in _STARTUP and times["process_started_at"] is not None:
+        times["imports_s"] = _STARTUP["group_started_at"] - times["process_started_at"]
+    if "group_joined_at" in _STARTUP:
+        times["rendezvous_s"] = _STARTUP["group_joined_at"] - _STARTUP["group_started_at"]
+    if "last_arrival_at" in _STARTUP:
+        times["arrival_spread_s"] = _STARTUP["last_arrival_at"] - _STARTUP["first_arrival_at"]
+        times["rendezvous_after_last_arrival_s"] = _STARTUP["group_joined_at"] - _STARTUP["last_arrival_at"]
+    return times
+
+
 def setup_torch_distributed(env: DistEnv, timeout_s: float, always_group: bool = False) -> tuple[torch.device, str]:
     """Pick device and backend, and join the process group when there is more than one rank.
 
@@ -280,6 +333,7 @@ def setup_torch_distributed(env: DistEnv, timeout_s: float, always_group: bool =
         print(f"[launch] rank {env.rank} (local rank {env.local_rank}) on {socket.gethostname()}: "
               f"cpus {cpu_list(os.sched_getaffinity(0))}, device {device}", flush=True)
 
+    _STARTUP["group_started_at"] = time.time()
     if env.world_size > 1:
         dist.init_process_group(
             backend,
@@ -291,9 +345,17 @@ def setup_torch_distributed(env: DistEnv, timeout_s: float, always_group: bool =
         )
         if dist.get_world_size() != env.world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {env.world_size}")
+        _STARTUP["group_joined_at"] = time.time()
+        # When the first and the last rank reached the group (one tiny all-reduce): the rendezvous itself,
+        # apart from the ranks' spread in start-up (imports) that rank 0 waited through.
+        arrived = torch.tensor([_STARTUP["group_started_at"], -_STARTUP["group_started_at"]], dtype=torch.float64,
+                               device=device)
+        dist.all_reduce(arrived, op=dist.ReduceOp.MAX)
+        _STARTUP["last_arrival_at"], _STARTUP["first_arrival_at"] = arrived[0].item(), -arrived[1].item()
     elif always_group:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=device if backend == "nccl" else None)  # (else barrier() warns on GPU)
+    _STARTUP.setdefault("group_joined_at", time.time())
     return device, backend
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from . import faults
 from .checkpoint import atomic_write_bytes
 from .errors import ConfigError
+from .launch import startup_times
 from .tracking import open_trackers, parse_trackers, run_name
 
 if TYPE_CHECKING:
@@ -150,6 +151,7 @@ class MetricsLogger:
     framework: str = "torch"  # whose TensorBoard writer: "torch" or "tensorflow"
     trackers: list = field(default_factory=list)
     _writer: object = field(default=None, repr=False)
+    _stepped: bool = field(default=False, repr=False)  # this process has logged a step (a resume too)
 
     def __post_init__(self):
         # The steps of a resumed checkpoint's history reached the trackers before it was published.
@@ -176,6 +178,9 @@ class MetricsLogger:
             **extra,
         }
         self.history.append(record)
+        if not self._stepped:
+            self._stepped = True
+            self._first_step_done()
         if not self.is_logging_rank:
             return
         if faults.active("track-every-step"):  # (a negative control: the trackers get steps no checkpoint holds)
@@ -193,6 +198,23 @@ class MetricsLogger:
                 + (f" | MFU {100 * mfu:5.2f}%" if mfu is not None else " | MFU n/a"),
                 flush=True,
             )
+
+    def _first_step_done(self) -> None:
+        """Completes run_info's "startup" (harness.launch.startup_times) with this process's first step, and
+        says on the logging rank where the time before it went."""
+        startup = self.run_info.get("startup")
+        if startup is None:
+            return
+        startup["first_step_at"] = time.time()
+        parts = [f"{label} {startup[key]:.1f} s" for key, label in
+                 (("preflight_s", "preflight"), ("srun_to_process_s", "srun and runtime"), ("imports_s", "imports"),
+                  ("rendezvous_s", "rendezvous")) if startup.get(key) is not None]
+        begun = startup.get("batch_started_at") or startup.get("process_started_at")
+        if self.is_logging_rank and begun is not None:
+            print(f"[{self.recipe}] first step done {startup['first_step_at'] - begun:.1f} s after the "
+                  f"{'job' if startup.get('batch_started_at') else 'process'} started"
+                  + (f" ({', '.join(parts)})" if parts else ""),
+                  flush=True)
 
     def log_eval(self, step: int, loss: float, batches: int) -> None:
         """The validation loss after ``step`` (averaged over ``batches`` global batches and the data-parallel
@@ -333,4 +355,5 @@ def describe_run(env, backend: str, device, wrapper: str, versions: dict | None 
         "container": container_runtime(),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "startup": startup_times(),
     }

@@ -114,6 +114,8 @@ recipe_preflight() {
 launch_recipe() {
     local recipe=$1
     shift
+    # Start-up marks for the ranks' metrics.json ("startup": where a job's first minutes went).
+    export HPCML_BATCH_STARTED_AT=$EPOCHREALTIME
     [[ -n ${SLURM_JOB_ID:-} ]] || launch_error "not inside a Slurm job: submit with 'sbatch slurm/<recipe>.sh'" \
         "(or check it first: slurm/preflight.sh slurm/<recipe>.sh)"
     REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
@@ -170,11 +172,15 @@ launch_recipe() {
     fi
     [[ -z ${RUN_DIR:-} ]] || claim_run_dir
     if [[ ${LAUNCH_PREFLIGHT:-1} == 1 ]]; then
+        local preflight_started=$EPOCHREALTIME
         if ! recipe_preflight "$runtime" "$image" "$recipe" "$@"; then
             # The recipe's own line above says what to change; leave nothing behind.
             ((created_run_dir)) && rm -f "$RUN_DIR/$RUN_DIR_LOCK_FILE" && rmdir "$RUN_DIR" 2>/dev/null
             exit 2
         fi
+        HPCML_PREFLIGHT_S=$(awk -v a="$preflight_started" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.3f", b - a }')
+        export HPCML_PREFLIGHT_S
+        echo "launch: the recipe's preflight took $HPCML_PREFLIGHT_S s"
     fi
     if [[ ${LAUNCH_PREFLIGHT_ONLY:-0} == 1 ]]; then
         ((created_run_dir)) && rmdir "$RUN_DIR" 2>/dev/null
@@ -185,6 +191,7 @@ launch_recipe() {
     [[ -z ${TORCH_FR_DUMP_TEMP_FILE:-} ]] || mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"
     [[ ${HPCML_NSYS:-0} != 1 ]] || mkdir -p "$RUN_DIR/nsys"
     local status=0
+    export HPCML_STEP_STARTED_AT=$EPOCHREALTIME
     without_run_dir_lock "${command[@]}" || status=$?
     if ((status == 0)) && [[ -n ${RUN_DIR:-} && -f $RUN_DIR/stopped_by_signal ]]; then
         if [[ $(<"$RUN_DIR/stopped_by_signal") == SIGUSR1* ]]; then

@@ -4,10 +4,12 @@ per rank, CPU lists, a collective that failed."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -219,3 +221,40 @@ def test_a_run_that_left_its_group_exits_without_the_interpreters_teardown(left,
     script = EXIT_AFTER_LEAVING.format(recipes=str(REPO / "recipes"), left=left, with_child=with_child)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout.rstrip("\n")) == (code, out), result.stderr
+
+
+def test_startup_times_separate_the_ranks_arrival_spread_from_the_rendezvous(tmp_path):
+    """metrics.json's "startup" (harness.launch.startup_times): rank 1 reaches the group 1.5 s after rank 0,
+    so rank 0's rendezvous_s holds that wait, arrival_spread_s says it, and the rendezvous after the last
+    arrival does not; the launcher's marks (HPCML_*) are read as it exported them."""
+    script = tmp_path / "startup.py"
+    script.write_text(f"""
+import json, os, sys, time
+sys.path.insert(0, {str(REPO / 'recipes')!r})
+from harness.launch import detect_dist_env, setup_torch_distributed, startup_times
+env = detect_dist_env()
+ready = {str(tmp_path / 'rank0-ready')!r}
+if env.rank == 0:
+    open(ready, "w").close()
+else:  # 1.5 s after rank 0 reached the group, whatever each one's imports took
+    while not os.path.exists(ready):
+        time.sleep(0.01)
+    time.sleep(1.5)
+setup_torch_distributed(env, timeout_s=60)
+if env.rank == 0:
+    print(json.dumps({{**startup_times(), "now": time.time()}}))
+""")
+    launched = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HPCML_BATCH_STARTED_AT": f"{launched - 3:.6f}", "HPCML_PREFLIGHT_S": "2.500",
+           "HPCML_STEP_STARTED_AT": f"{launched:.6f}"}
+    env.pop("SLURM_JOB_ID", None)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                             f"--master_port={free_port()}", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    times = json.loads(result.stdout.strip().splitlines()[-1])
+    assert times["batch_started_at"] == pytest.approx(launched - 3) and times["preflight_s"] == 2.5
+    assert launched - 1 < times["process_started_at"] < times["now"]
+    assert times["srun_to_process_s"] == pytest.approx(times["process_started_at"] - launched)
+    assert times["imports_s"] > 0
+    assert 1.4 < times["arrival_spread_s"] < 2.5 and times["rendezvous_s"] >= 1.4
+    assert times["rendezvous_after_last_arrival_s"] < 1.0
