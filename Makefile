@@ -40,7 +40,7 @@ PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 
 	--durations=25 $(PYTEST_ARGS)
 
 .PHONY: help system-deps venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
-	test-cuda-images \
+	test-cuda-images test-scale \
 	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
 	bench bench-quick bench-data bench-checkpoint gpu-check nccl-check
@@ -50,7 +50,8 @@ help:
 	@echo "images:  make build-IMAGE | push-IMAGE REGISTRY=... | pull-IMAGE REGISTRY=... | versions IMAGE=..."
 	@echo "         build-all, base-rootfs, pin-cuda-bases   (IMAGE: $(IMAGES); FLAVOR=cpu|cuda)"
 	@echo "tests:   test-full (test + the slower tier), test-unit (no Slurm, no podman), test-tensorflow test-slurm"
-	@echo "         test-images test-cuda-images (the cuda flavor, no GPU needed) hadolint shellcheck"
+	@echo "         test-images test-cuda-images (the cuda flavor, no GPU needed) test-scale (16 local nodes)"
+	@echo "         hadolint shellcheck"
 	@echo "docs:    docs (the site, --strict, in site/), docs-serve (http://127.0.0.1:8000), docs-check (screenshots)"
 	@echo "bench:   bench (about 30 min), bench-quick, bench-data (the token-file loader, DATA=PREFIX);"
 	@echo "         gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
@@ -153,15 +154,23 @@ run: venv
 # test builds the cpu images it needs (cached after the first run; the horovod image compiles Horovod for
 # ~10 minutes on 2 cores the first time, here through venv-tf, which installs its wheel).
 test: system-deps venv venv-tf venv-docs
-	$(PYTEST) -m "not full and not cuda_images"
+	$(PYTEST) -m "not full and not cuda_images and not scale"
 
 # The slower tier as well (tests marked `full`: more matrix layouts and runtimes, the whole quick benchmark):
 # about 6 minutes more than `make test` (2 workers, 2 cores).
 test-full: system-deps venv venv-tf venv-docs
-	$(PYTEST) -m "not cuda_images"
+	$(PYTEST) -m "not cuda_images and not scale"
 
 # No Slurm, no container engine, no root: what a laptop with Python 3.11 runs (the TensorFlow tests need
 # .venv-tf, whose Horovod wheel the horovod image compiles: make test-tensorflow).
+# The scale tier: the unchanged sbatch files on 16 local nodes (DDP 16 x 1, FSDP2 + TP and Megatron TP x PP x DP
+# on 8 x 2, a killed rank, the time-limit requeue), each against one process; writes the start-up figures
+# to runs/scale/timings.json, which bench/scale_model.py fits (about 20 minutes on 2 cores; restarts the
+# local cluster with 16 nodes, and the default tier restarts it with 4).
+test-scale: system-deps venv
+	HPCML_CLUSTER_NODES=16 $(PYTEST) -m scale tests/test_scale.py
+	$(VENV)/bin/python bench/scale_model.py --timings runs/scale/timings.json --out runs/scale
+
 test-unit: venv venv-docs
 	$(PYTEST) -m "not slurm and not containers and not tensorflow and not full"
 
@@ -169,7 +178,7 @@ test-tensorflow: venv venv-tf
 	$(PYTEST) -m "tensorflow and not slurm and not containers and not full"
 
 test-slurm: system-deps venv venv-tf
-	$(PYTEST) -m "slurm and not full"
+	$(PYTEST) -m "slurm and not full and not scale"
 
 test-images: system-deps venv venv-tf
 	$(PYTEST) -m "containers and not full and not cuda_images"
