@@ -165,7 +165,7 @@ test-full: system-deps venv venv-tf venv-docs
 # .venv-tf, whose Horovod wheel the horovod image compiles: make test-tensorflow).
 # The scale tier: the unchanged sbatch files on 16 local nodes (DDP 16 x 1, FSDP2 + TP and Megatron TP x PP x DP
 # on 8 x 2, a killed rank, the time-limit requeue), each against one process; writes the start-up figures
-# to runs/scale/timings.json, which bench/scale_model.py fits (about 20 minutes on 2 cores; restarts the
+# to runs/scale/timings.json, which bench/scale_model.py fits (13 minutes on 2 cores; restarts the
 # local cluster with 16 nodes, and the default tier restarts it with 4).
 test-scale: system-deps venv
 	HPCML_CLUSTER_NODES=16 $(PYTEST) -m scale tests/test_scale.py

@@ -3,10 +3,10 @@ scale tier's measured figures (2-16 local nodes) and built on Perlmutter's publi
 figures, with its fit error.
 
     make test-scale                                                     # measures, then runs this
-    python bench/scale_model.py --timings bench/scale_timings.json --out runs/scale   # the committed figures
+    python bench/scale_model.py --out runs/scale      # the committed runs of the tier (bench/scale_timings/*.json), pooled
 
 Inputs (each named in the JSON with its source):
-- measured here (--timings, tests/test_scale.py): per node count, the launcher's preflight, srun + runtime to
+- measured here (--timings: one or more runs of tests/test_scale.py, pooled): per node count, the launcher's preflight, srun + runtime to
   the Python process, imports, the rendezvous after the last rank arrived, setup + the first step, the
   time-limit signal to the requeued job's first step. Every local "node" shares this host's CPUs: a figure
   that grows only because more processes share them (imports, the first step) is turned into its one-rank
@@ -80,8 +80,8 @@ PER_RANK = ("imports_s", "setup_and_first_step_s")
 
 
 def fit(nodes: list[int], values: list[float]) -> dict:
-    """The best of FORMS for values(nodes) by least squares, with its RMS relative error and the relative
-    error of predicting the largest node count from the others."""
+    """The best of FORMS for values(nodes) by least squares (a node count may repeat: several runs), with its
+    RMS relative error and the mean relative error of predicting the largest node count from the others."""
     def solve(xs: list[int], ys: list[float], form: str) -> tuple[float, float]:
         if FORMS[form] is None:
             return sum(ys) / len(ys), 0.0
@@ -98,8 +98,11 @@ def fit(nodes: list[int], values: list[float]) -> dict:
     for form in FORMS:
         a, b = solve(nodes, values, form)
         rms = math.sqrt(sum(((predict(a, b, form, n) - y) / y) ** 2 for n, y in zip(nodes, values)) / len(nodes))
-        held_a, held_b = solve(nodes[:-1], values[:-1], form)
-        hold_out = abs(predict(held_a, held_b, form, nodes[-1]) - values[-1]) / values[-1]
+        largest = max(nodes)
+        held = [(n, y) for n, y in zip(nodes, values) if n != largest]
+        held_a, held_b = solve([n for n, _ in held], [y for _, y in held], form)
+        targets = [y for n, y in zip(nodes, values) if n == largest]
+        hold_out = sum(abs(predict(held_a, held_b, form, largest) - y) / y for y in targets) / len(targets)
         results[form] = {"a": a, "b": b, "rms_relative_error": rms, "hold_out_relative_error": hold_out}
     # The form that predicts the largest node count best from the smaller ones (what a projection does);
     # between near-equals (within 2 points), the simpler one.
@@ -112,9 +115,10 @@ def fit(nodes: list[int], values: list[float]) -> dict:
         # No form predicts it: noise larger than any growth over the measured counts. Projected as its
         # largest measured value, and said so (form "max").
         return {"form": "max", **results[best], "forms": results,
-                "projected": {n: max(values) for n in (*nodes, *PROJECTED_NODES)}}
+                "projected": {n: max(values) for n in (*sorted(set(nodes)), *PROJECTED_NODES)}}
     return {"form": best, **results[best], "forms": results,
-            "projected": {n: predict(results[best]["a"], results[best]["b"], best, n) for n in (*nodes, *PROJECTED_NODES)}}
+            "projected": {n: predict(results[best]["a"], results[best]["b"], best, n)
+                          for n in (*sorted(set(nodes)), *PROJECTED_NODES)}}
 
 
 def ring_allreduce_s(nbytes: float, nodes: int, alpha: float, bandwidth: float) -> float:
@@ -162,16 +166,25 @@ def per_rank(value: float, ranks: int, cpus: int) -> float:
     return value * min(ranks, cpus) / ranks if ranks > cpus else value
 
 
-def model(timings: dict, imports: dict, checkpoint_bench: dict) -> dict:
-    runs = timings["runs"]
-    cpus = timings["host"]["cpus"]
-    ddp = sorted((run for key, run in runs.items() if key.startswith("ddp-")), key=lambda run: run["nodes"])
-    if len(ddp) < 3:
-        raise SystemExit(f"scale_model: error: {len(ddp)} DDP node counts in the timings, at least 3 needed: run make test-scale")
+def model(tier_runs: list[dict], imports: dict, checkpoint_bench: dict) -> dict:
+    """The model from one or more runs of the scale tier (their figures pooled: each node count measured once
+    per run)."""
+    cpus = {timings["host"]["cpus"] for timings in tier_runs}
+    if len(cpus) != 1:
+        raise SystemExit(f"scale_model: error: the timings come from hosts with {sorted(cpus)} CPUs: pool runs of one host only")
+    cpus = cpus.pop()
+    runs = [(index, key, run) for index, timings in enumerate(tier_runs, 1) for key, run in timings["runs"].items()]
+    ddp = sorted(({**run, "tier_run": index} for index, key, run in runs if key.startswith("ddp-")),
+                 key=lambda run: (run["nodes"], run["tier_run"]))
+    if len({run["nodes"] for run in ddp}) < 3:
+        raise SystemExit(f"scale_model: error: {len(ddp)} DDP runs in the timings, 3 node counts at least needed: run make test-scale")
     nodes = [run["nodes"] for run in ddp]
-    startup = {name: {"measured": {run["nodes"]: run[name] for run in ddp}, **fit(nodes, [run[name] for run in ddp])}
-               for name in FITTED}
-    one_rank = {name: {"measured": {run["nodes"]: run[name] for run in ddp},
+
+    def measured(name: str) -> dict:
+        return {n: [run[name] for run in ddp if run["nodes"] == n] for n in sorted(set(nodes))}
+
+    startup = {name: {"measured": measured(name), **fit(nodes, [run[name] for run in ddp])} for name in FITTED}
+    one_rank = {name: {"measured": measured(name),
                        "per_rank_s": [per_rank(run[name], run["ranks"], cpus) for run in ddp]} for name in PER_RANK}
     for entry in one_rank.values():
         entry["projected_per_rank_s"] = sum(entry["per_rank_s"]) / len(entry["per_rank_s"])
@@ -179,7 +192,7 @@ def model(timings: dict, imports: dict, checkpoint_bench: dict) -> dict:
     p = {name: entry["value"] for name, entry in PERLMUTTER.items()}
     node_bandwidth = p["nics_per_node"] * p["nic_bandwidth_bytes_s"]
     measured_write = checkpoint_bench["sync"]["checkpoint_bytes"] / checkpoint_bench["sync"]["blocking_s"]
-    requeued = [run["signal_to_requeued_batch_s"] for key, run in runs.items() if key.startswith("requeue-")]
+    requeued = [run["signal_to_requeued_batch_s"] for _, key, run in runs if key.startswith("requeue-")]
     if not requeued:
         raise SystemExit("scale_model: error: no requeue figures in the timings: run make test-scale")
     requeue_to_batch = sum(requeued) / len(requeued)
@@ -217,9 +230,13 @@ def model(timings: dict, imports: dict, checkpoint_bench: dict) -> dict:
         "across_nodes_s": tp_allreduces_per_microbatch_s(p["nic_bandwidth_bytes_s"], p["ring_step_latency_s"]),
     }
     tensor_parallel["ratio"] = tensor_parallel["across_nodes_s"] / tensor_parallel["inside_a_node_s"]
-    requeue = {run["nodes"]: run["signal_to_requeued_first_step_s"] for key, run in runs.items() if key.startswith("requeue-")}
+    requeue = {}
+    for _, key, run in runs:
+        if key.startswith("requeue-"):
+            requeue.setdefault(run["nodes"], []).append(run["signal_to_requeued_first_step_s"])
     return {
-        "inputs": {"measured_here": {"host_cpus": cpus, "ddp_node_counts": nodes, "ddp_runs": ddp, "import_torch": imports,
+        "inputs": {"measured_here": {"host_cpus": cpus, "tier_runs": len(tier_runs), "ddp_node_counts": sorted(set(nodes)),
+                                     "ddp_runs": ddp, "import_torch": imports,
                                      "signal_to_requeued_first_step_s": requeue,
                                      "signal_to_requeued_batch_s_mean": requeue_to_batch},
                    "perlmutter": PERLMUTTER,
@@ -240,26 +257,28 @@ def markdown(result: dict) -> str:
     """The fit and the projections as the docs quote them (docs/scale.md; tests/test_bench.py checks they agree)."""
     measured = result["inputs"]["measured_here"]
     nodes = measured["ddp_node_counts"]
-    lines = ["| nodes | submission to the first step (s) | preflight (s, share) | srun + runtime (s) | imports (s) | "
+    lines = ["| nodes | tier run | submission to the first step (s) | preflight (s, share) | srun + runtime (s) | imports (s) | "
              "ranks' arrival spread (s) | rendezvous after the last (s) | setup + first step (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for run in measured["ddp_runs"]:
-        lines.append(f"| {run['nodes']} | {run['submission_to_first_step_s']:.1f} | {run['preflight_s']:.1f} "
+        lines.append(f"| {run['nodes']} | {run['tier_run']} | {run['submission_to_first_step_s']:.1f} | {run['preflight_s']:.1f} "
                      f"({100 * run['preflight_share']:.0f}%) | {run['srun_to_process_s']:.2f} | {run['imports_s']:.1f} | "
                      f"{run['arrival_spread_s']:.1f} | {run['rendezvous_after_last_arrival_s']:.2f} | "
                      f"{run['setup_and_first_step_s']:.1f} |")
     requeue = measured["signal_to_requeued_first_step_s"]
     if requeue:
         lines += ["", "From the time-limit signal to the requeued job's first step (s): "
-                  + ", ".join(f"{requeue[n]:.0f} at {n} nodes" for n in sorted(requeue, key=int)) + "."]
-    lines += ["", "| start-up part | form | RMS error | hold-out error | measured at " + ", ".join(map(str, nodes)) + " nodes (s) |",
+                  + ", ".join(f"{' and '.join(f'{value:.0f}' for value in requeue[n])} at {n} nodes"
+                              for n in sorted(requeue, key=int)) + "."]
+    lines += ["", "| start-up part | form | RMS error | hold-out error | measured at " + ", ".join(map(str, nodes))
+              + " nodes (s; one value per tier run) |",
              "|---|---|---|---|---|"]
     for name, entry in result["fits"].items():
-        measured = ", ".join(f"{entry['measured'][n]:.2f}" for n in nodes)
+        values = ", ".join("/".join(f"{value:.2f}" for value in entry["measured"][n]) for n in nodes)
         lines.append(f"| {name} | {entry['form']} | {100 * entry['rms_relative_error']:.0f}% | "
-                     f"{100 * entry['hold_out_relative_error']:.0f}% | {measured} |")
+                     f"{100 * entry['hold_out_relative_error']:.0f}% | {values} |")
     for name, entry in result["per_rank"].items():
-        per_rank = ", ".join(f"{value:.2f}" for value in entry["per_rank_s"])
+        per_rank = ", ".join(f"{value:.2f}" for value in entry["per_rank_s"])  # (in the order of the first table)
         lines.append(f"| {name} (one rank's share of the CPUs) | per rank | | | {per_rank} |")
     lines += ["", "| nodes (GPUs) | start-up to the first step (s) | requeue to the first step (s) | "
                   "25 MB bucket, ring / tree (ms) | 1.3B bf16 gradients, ring / tree (ms) | "
@@ -281,7 +300,7 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
     for name, entry in result["fits"].items():
-        measured = sorted((int(n), v) for n, v in entry["measured"].items())
+        measured = sorted((int(n), value) for n, values in entry["measured"].items() for value in values)
         line = left.plot([n for n, _ in measured], [v for _, v in measured], "o", label=f"{name} ({entry['form']})")
         left.plot([int(n) for n in entry["projected"]], list(entry["projected"].values()), "-", color=line[0].get_color())
     left.set(xscale="log", xlabel="nodes", ylabel="seconds", title="launch and rendezvous: measured (dots), fitted")
@@ -308,16 +327,18 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--timings", type=Path, default=REPO / "bench" / "scale_timings.json",
-                        help="the scale tier's figures (runs/scale/timings.json; bench/scale_timings.json: the committed run's)")
+    parser.add_argument("--timings", type=Path, nargs="+", default=sorted((REPO / "bench" / "scale_timings").glob("*.json")),
+                        help="one or more runs of the scale tier, pooled (runs/scale/timings.json; the committed runs: "
+                             "bench/scale_timings/*.json)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "scale")
     parser.add_argument("--python", default=sys.executable, help="the interpreter whose `import torch` is counted")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
-    if not args.timings.is_file():
-        parser.error(f"no timings file {args.timings}: run `make test-scale` (writes runs/scale/timings.json) or pass "
-                     "--timings bench/scale_timings.json")
-    result = model(json.loads(args.timings.read_text()), import_metadata_requests(args.python),
+    missing = [str(path) for path in args.timings if not path.is_file()]
+    if missing or not args.timings:
+        parser.error(f"no timings file {' '.join(missing)}: run `make test-scale` (writes runs/scale/timings.json) or pass "
+                     "--timings bench/scale_timings/*.json")
+    result = model([json.loads(path.read_text()) for path in args.timings], import_metadata_requests(args.python),
                    json.loads(CHECKPOINT_BENCH.read_text()))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scale_model.json").write_text(json.dumps(result, indent=2) + "\n")
