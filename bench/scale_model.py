@@ -205,7 +205,7 @@ def model(tier_runs: list[dict], imports: dict, checkpoint_bench: dict) -> dict:
         projections[n] = {
             "startup_s": launch + ranks_imports + first_step,
             "startup_parts_s": {**{name: startup[name]["projected"][n] for name in FITTED},
-                                "imports_s (one rank, image)": ranks_imports, "setup_and_first_step_s": first_step},
+                                "imports_s (one rank, node-local files)": ranks_imports, "setup_and_first_step_s": first_step},
             "bare_venv_import_metadata_requests": requests,
             "image_lookups_per_job_start": {"resolved_once (slurm/lib/launch.sh)": 1, "every_rank": GPUS_PER_NODE * n},
             "requeue_to_first_step_s": requeue_to_batch + launch + ranks_imports + first_step,
@@ -254,7 +254,7 @@ def model(tier_runs: list[dict], imports: dict, checkpoint_bench: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-    """The fit and the projections as the docs quote them (docs/scale.md; tests/test_bench.py checks they agree)."""
+    """The fit and the projections as the docs quote them (docs/scale.md; tests/test_scale_model.py checks they agree)."""
     measured = result["inputs"]["measured_here"]
     nodes = measured["ddp_node_counts"]
     lines = ["| nodes | tier run | submission to the first step (s) | preflight (s, share) | srun + runtime (s) | imports (s) | "
