@@ -161,8 +161,6 @@ test: system-deps venv venv-tf venv-docs
 test-full: system-deps venv venv-tf venv-docs
 	$(PYTEST) -m "not cuda_images and not scale"
 
-# No Slurm, no container engine, no root: what a laptop with Python 3.11 runs (the TensorFlow tests need
-# .venv-tf, whose Horovod wheel the horovod image compiles: make test-tensorflow).
 # The scale tier: the unchanged sbatch files on 16 local nodes (DDP 16 x 1, FSDP2 + TP and Megatron TP x PP x DP
 # on 8 x 2, a killed rank, the time-limit requeue), each against one process; writes the start-up figures
 # to runs/scale/timings.json, which bench/scale_model.py fits (13 minutes on 2 cores; restarts the
@@ -171,6 +169,8 @@ test-scale: system-deps venv
 	HPCML_CLUSTER_NODES=16 $(PYTEST) -m scale tests/test_scale.py
 	$(VENV)/bin/python bench/scale_model.py --timings runs/scale/timings.json --out runs/scale
 
+# No Slurm, no container engine, no root: what a laptop with Python 3.11 runs (the TensorFlow tests need
+# .venv-tf, whose Horovod wheel the horovod image compiles: make test-tensorflow).
 test-unit: venv venv-docs
 	$(PYTEST) -m "not slurm and not containers and not tensorflow and not full"
 

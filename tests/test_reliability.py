@@ -17,15 +17,14 @@ import os
 import pickle
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from support.cluster import (CLUSTER_DIR, copy_checkout, job_nodes, job_state, sbatch_recipe, shifter_pull,
-                             submit_recipe, unlabelled)
+from support.cluster import (copy_checkout, final_state, job_nodes, job_state, rank_pid, sbatch_recipe,
+                             shifter_pull, submit_recipe, unlabelled, wait_for)
 from support.curves import losses, read_metrics
 from support.runs import assert_ok, container_env, DDP_RECIPE, recipe_env, REPO, run, run_single, TINY
 
@@ -43,37 +42,6 @@ def submit(cluster: dict, tmp_path: Path, *options: str, recipe_args: list[str],
 def log_of(tmp_path: Path, job_id: str) -> str:
     log = tmp_path / f"ddp-{job_id}.out"
     return log.read_text() if log.exists() else ""
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def final_state(job_id: str) -> str | None:
-    """The job's last record in the job-completion log once it has ended for good (None before)."""
-    records = [line for line in (CLUSTER_DIR / "jobcomp.txt").read_text().splitlines() if line.startswith(f"JobId={job_id} ")]
-    if not records:
-        return None
-    state = re.search(r"JobState=(\S+)", records[-1]).group(1)
-    return None if state in ("PENDING", "REQUEUED") else state
-
-
-def rank_pid(run_dir: Path, rank: int) -> int | None:
-    """The PID of a rank of the job writing to run_dir, found through its environment."""
-    for pid in subprocess.run(["pgrep", "-f", f"train.py --out-dir {run_dir}"], capture_output=True, text=True).stdout.split():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"SLURM_PROCID={rank}".encode() in environ:
-            return int(pid)
-    return None
 
 
 def started_training(tmp_path: Path, job_id: str) -> bool:

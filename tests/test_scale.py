@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from support import megatron_shim
-from support.cluster import CLUSTER_DIR, job_nodes, job_state, submit_recipe, unlabelled
+from support.cluster import final_state, job_nodes, job_state, rank_pid, submit_recipe, unlabelled, wait_for
 from support.curves import losses, max_relative_difference, PARITY_RTOL, read_metrics
 from support.runs import fault, recipe_env, REPO, run, run_single, TINY
 
@@ -164,22 +164,6 @@ def test_megatron_tp2_pp4_dp2_on_8_nodes_x_2_trains_as_one_process(scale_cluster
                                    **startup_figures(metrics, submitted_at)})
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def ended(job: str) -> str | None:
-    """The job's final state once it has ended for good (None while pending, running or requeued)."""
-    records = [line for line in (CLUSTER_DIR / "jobcomp.txt").read_text().splitlines() if line.startswith(f"JobId={job} ")]
-    state = re.search(r"JobState=(\S+)", records[-1]).group(1) if records else None
-    return None if state in (None, "PENDING", "REQUEUED") else state
-
-
 def read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
@@ -190,11 +174,10 @@ def test_a_killed_rank_ends_a_16_node_job_promptly_and_is_named(scale_cluster, t
     log = tmp_path / f"ddp-{job}.out"
     wait_for(lambda: re.search(r"^\[ddp\] step +10 ", unlabelled(read(log)), re.M), 300, "training to start")
     last = SCALE_NODES - 1
-    pids = run(["pgrep", "-f", f"train.py --out-dir {tmp_path / 'run'}"]).stdout.split()
-    pid = next(int(p) for p in pids if f"SLURM_PROCID={last}".encode() in Path(f"/proc/{p}/environ").read_bytes().split(b"\0"))
+    pid = wait_for(lambda: rank_pid(tmp_path / "run", last), 30, f"rank {last}'s process")
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    state = wait_for(lambda: ended(job), 60, "the job to end after a rank was killed")
+    state = wait_for(lambda: final_state(job), 60, "the job to end after a rank was killed")
     elapsed = time.monotonic() - killed_at
     assert state == "FAILED", read(log)[-3000:]
     assert f"srun: error: {job_nodes(job)[last]}: task {last}: Killed" in read(log), read(log)[-3000:]
@@ -219,7 +202,7 @@ def test_time_limit_signal_requeues_and_resumes_on_the_same_curve(scale_cluster,
     signalled_at = time.time()
     assert run(["scancel", "--signal=USR1", job], env=recipe_env(**scale_cluster)).returncode == 0
     # Slurm holds a requeued job until its step credentials expire (slurm.conf AuthInfo cred_expire).
-    state = wait_for(lambda: ended(job), 420, "the requeued job to finish", interval=1)
+    state = wait_for(lambda: final_state(job), 420, "the requeued job to finish", interval=1)
     text = read(log)
     assert state == "COMPLETED", text[-3000:]
     stopped = re.search(r"\[ddp\] stopped by SIGUSR1 after step (\d+): checkpoint written", text)

@@ -92,6 +92,38 @@ def job_nodes(job_id: str, run_index: int = 0) -> list[str]:
     return result.stdout.split()
 
 
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    """Polls predicate until it returns something true (returned), or fails the test after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def final_state(job_id: str) -> str | None:
+    """The job's last record in the job-completion log once it has ended for good (None before)."""
+    records = [line for line in (CLUSTER_DIR / "jobcomp.txt").read_text().splitlines() if line.startswith(f"JobId={job_id} ")]
+    if not records:
+        return None
+    state = re.search(r"JobState=(\S+)", records[-1]).group(1)
+    return None if state in ("PENDING", "REQUEUED") else state
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The PID of a rank of the job writing to run_dir, found through its environment."""
+    for pid in subprocess.run(["pgrep", "-f", f"train.py --out-dir {run_dir}"], capture_output=True, text=True).stdout.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_PROCID={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
 def step_launches(job_id: str, step: int = 0) -> dict[str, int]:
     """Slurm's own record of where a job step ran, and as whom: each node's slurmd logs "launch task
     StepId=JOB.STEP request from UID:U" when it starts the step's tasks there. {node: uid}."""
