@@ -23,10 +23,26 @@ PLACEHOLDER_GPUS = {"HPCML_ALLOW_CPU": "1"}
 TINY = ["--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--log-every", "1"]
 
 
+# Rendezvous ports for the tests' own launches: below the kernel's ephemeral range (32768-60999), where an
+# outgoing connection of another test (gloo opens hundreds) cannot take the port between this check and
+# the launcher's bind, and a block of its own per test worker; the local cluster's jobs use 29500 + job id.
+_PORTS_PER_WORKER = 800
+_next_port = [0]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = 20000 + (worker % 11) * _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        port = first + (os.getpid() + _next_port[0]) % _PORTS_PER_WORKER
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:  # taken, or in TIME_WAIT from an earlier launch
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + _PORTS_PER_WORKER - 1}")
 
 
 def recipe_env(**extra: str) -> dict[str, str]:

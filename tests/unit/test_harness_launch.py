@@ -232,6 +232,7 @@ def test_startup_times_separate_the_ranks_arrival_spread_from_the_rendezvous(tmp
 import json, os, sys, time
 sys.path.insert(0, {str(REPO / 'recipes')!r})
 from harness.launch import detect_dist_env, setup_torch_distributed, startup_times
+import torch.distributed  # (here, not in setup_torch_distributed: two imports on a busy machine differ by a second)
 env = detect_dist_env()
 ready = {str(tmp_path / 'rank0-ready')!r}
 if env.rank == 0:
