@@ -166,7 +166,7 @@ test-full: system-deps venv venv-tf venv-docs
 # to runs/scale/timings.json, which bench/scale_model.py fits (13 minutes on 2 cores; restarts the
 # local cluster with 16 nodes, and the default tier restarts it with 4).
 test-scale: system-deps venv
-	HPCML_CLUSTER_NODES=16 $(PYTEST) -m scale tests/test_scale.py
+	HPCML_CLUSTER_NODES=16 LOCAL_SLURM_CRED_EXPIRE=120 $(PYTEST) -m scale tests/test_scale.py
 	$(VENV)/bin/python bench/scale_model.py --timings runs/scale/timings.json --out runs/scale
 
 # No Slurm, no container engine, no root: what a laptop with Python 3.11 runs (the TensorFlow tests need

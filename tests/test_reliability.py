@@ -106,8 +106,8 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_on_the_same_curve(sl
     # What '#SBATCH --signal=USR1@120' does before the time limit: SIGUSR1 to every task of the job's steps.
     assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
     wait_for(lambda: "requeueing job" in log_of(tmp_path, job), 60, "the job to requeue itself")
-    # Slurm holds a requeued job for about 2 minutes before it starts again (starting it sooner fails with
-    # "Job credential revoked" on the nodes), so this test waits that long.
+    # Slurm holds a requeued job until its step credentials expire (starting it sooner fails with "Job
+    # credential revoked" on the nodes): 30 s on the local cluster (tests/cluster/local_slurm.sh).
     state = wait_for(lambda: final_state(job), 300, "the requeued job to finish", interval=1)
     log = log_of(tmp_path, job)
     assert state == "COMPLETED", log

@@ -53,6 +53,10 @@ def scale_cluster(slurm_cluster) -> dict[str, str]:
     nodes = sum(int(count) for count in result.stdout.split())
     assert nodes >= SCALE_NODES, (f"the local cluster has {nodes} nodes, this tier needs {SCALE_NODES}: "
                                   "run it with `make test-scale` (HPCML_CLUSTER_NODES=16)")
+    # The requeue figures are a site's with Slurm's default hold (the default tier's cluster holds 30 s).
+    config = run(["scontrol", "show", "config"], env=recipe_env(**slurm_cluster)).stdout
+    assert "cred_expire=120" in config, ("the local cluster's requeue hold is not Slurm's default 120 s: "
+                                         "run this tier with `make test-scale` (LOCAL_SLURM_CRED_EXPIRE=120)")
     return slurm_cluster
 
 

@@ -17,6 +17,10 @@ set -euo pipefail
 
 STATE_DIR=${LOCAL_SLURM_DIR:-/tmp/hpcml-slurm}
 SUBNET=${LOCAL_SLURM_SUBNET:-10.250.0}   # the test hosts' own addresses, on a bridge this script creates
+# How long Slurm holds a requeued job before it starts it again: until the job's step credentials expire
+# (AuthInfo's cred_expire; Slurm's default, 120 s, where a site sets none). 30 s still covers a step's
+# launch here, and the default tier waits out one requeue; make test-scale measures Slurm's 120 s.
+CRED_EXPIRE=${LOCAL_SLURM_CRED_EXPIRE:-30}
 BRIDGE=hpcmlbr0
 CONTROLLER_NAME=hpcml-ctl
 HOSTS_MARKER="# hpcml-local-slurm"
@@ -66,7 +70,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$STATE_DIR/munge/munge.socket.2
+AuthInfo=socket=$STATE_DIR/munge/munge.socket.2,cred_expire=$CRED_EXPIRE
 StateSaveLocation=$STATE_DIR/ctld
 SlurmdSpoolDir=$STATE_DIR/spool/%n
 SlurmctldPidFile=$STATE_DIR/run/slurmctld.pid
@@ -213,8 +217,10 @@ cmd_start() {
     local nodes=${1:-${LOCAL_SLURM_NODES:-4}}
     [[ $nodes =~ ^[1-9][0-9]?$ ]] || die "NODES must be 1..99, got '$nodes'"
     [[ $(id -u) == 0 ]] || die "needs root (network namespaces, /etc/hosts)"
-    if [[ -f $STATE_DIR/nodes ]] && [[ $(cat "$STATE_DIR/nodes") != "$nodes" ]]; then
-        log "cluster has $(cat "$STATE_DIR/nodes") nodes, $nodes asked for: restarting"
+    [[ $CRED_EXPIRE =~ ^[1-9][0-9]*$ ]] || die "LOCAL_SLURM_CRED_EXPIRE must be seconds, got '$CRED_EXPIRE'"
+    local shape="$nodes nodes, requeue hold ${CRED_EXPIRE}s"
+    if [[ -f $STATE_DIR/shape ]] && [[ $(cat "$STATE_DIR/shape") != "$shape" ]]; then
+        log "cluster has $(cat "$STATE_DIR/shape"), $shape asked for: restarting"
         cmd_stop
     fi
     if cmd_status >/dev/null 2>&1; then
@@ -224,7 +230,7 @@ cmd_start() {
     cmd_stop >/dev/null 2>&1 || true   # clear half-started leftovers
     ensure_packages
     write_configs "$nodes"
-    echo "$nodes" >"$STATE_DIR/nodes"
+    echo "$shape" >"$STATE_DIR/shape"
     build_spank_plugin
     start_munge
     setup_network "$nodes"
@@ -255,14 +261,14 @@ cmd_stop() {
     ip link del "$BRIDGE" 2>/dev/null || true
     SHIFTER_GATEWAY_DIR=$STATE_DIR/shifter bash "$HERE/shifter/shifterimg" release-all 2>/dev/null || true
     sed -i "/$HOSTS_MARKER/d" /etc/hosts
-    rm -f "$STATE_DIR/nodes"
+    rm -f "$STATE_DIR/shape"
     log "stopped"
 }
 
 cmd_status() {
     local nodes
-    [[ -f $STATE_DIR/nodes ]] || { echo "not running"; return 1; }
-    nodes=$(cat "$STATE_DIR/nodes")
+    [[ -f $STATE_DIR/shape ]] || { echo "not running"; return 1; }
+    nodes=$(cut -d' ' -f1 "$STATE_DIR/shape")
     pid_alive "$STATE_DIR/run/munged.pid" || { echo "munged not running"; return 1; }
     pid_alive "$STATE_DIR/run/slurmctld.pid" || { echo "slurmctld not running"; return 1; }
     local i
