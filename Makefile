@@ -246,11 +246,14 @@ shellcheck: venv
 cluster-start:
 	bash tests/cluster/local_slurm.sh start
 
+# (stop and status: the Perlmutter-shaped cluster and the host-shaped one that the CPU-binding test starts)
 cluster-stop:
 	bash tests/cluster/local_slurm.sh stop
+	LOCAL_SLURM_SHAPE=host bash tests/cluster/local_slurm.sh stop
 
 cluster-status:
 	bash tests/cluster/local_slurm.sh status
+	-LOCAL_SLURM_SHAPE=host bash tests/cluster/local_slurm.sh status
 
 clean:
 	rm -rf runs .pytest_cache

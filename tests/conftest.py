@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support.cluster import (CLUSTER_DIR, CLUSTER_NODES, CLUSTER_SCRIPT, CLUSTER_USER, PODMAN_HPC_INSTALL,
+from support.cluster import (CLUSTER_DIR, CLUSTER_NODES, CLUSTER_SCRIPT, CLUSTER_USER, HOST_SHAPED_DIR, PODMAN_HPC_INSTALL,
                              PODMAN_HPC_PREFIX, PODMAN_HPC_STORE_LOCK, SITE_ENV, ClusterUser, copy_checkout,
                              image_fixture, podman_hpc_migrate, podman_hpc_store_lock)
 from support import megatron_shim
@@ -55,6 +55,18 @@ def slurm_cluster() -> dict[str, str]:
     free = run(["flock", "-w", "60", f"{CLUSTER_DIR}.lock", "true"], timeout=90)
     assert free.returncode == 0, f"{CLUSTER_DIR}.lock is still held 60 s after the cluster started (fuser -v shows by whom)"
     return {"SLURM_CONF": str(CLUSTER_DIR / "etc" / "slurm.conf"), **PLACEHOLDER_GPUS}
+
+
+@pytest.fixture(scope="session")
+def host_shaped_cluster() -> dict[str, str]:
+    """The second local cluster: one node (cpu000001) that declares this machine's own sockets and cores, and
+    binds each task to its cores (task/affinity), as Perlmutter's nodes do; the first cluster's nodes are
+    Perlmutter-shaped (128 CPUs), which a small machine cannot bind. Started if needed and left running."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LOCAL_SLURM_")}
+    env.update(LOCAL_SLURM_SHAPE="host", LOCAL_SLURM_DIR=str(HOST_SHAPED_DIR))
+    result = run(["bash", str(CLUSTER_SCRIPT), "start", "1"], env=env, timeout=600)
+    assert result.returncode == 0, f"the host-shaped local Slurm cluster did not start:\n{result.stdout}\n{result.stderr}"
+    return {"SLURM_CONF": str(HOST_SHAPED_DIR / "etc" / "slurm.conf"), **PLACEHOLDER_GPUS}
 
 
 base_image = image_fixture("base")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from support.cluster import CLUSTER_DIR, job_state, sbatch_recipe, shifter_pull
+from support.cluster import CLUSTER_DIR, job_state, sbatch_recipe, shifter_pull, submit_recipe
 from support.runs import container_env, recipe_env, REPO, run, TINY
 
 pytestmark = pytest.mark.slurm
@@ -200,3 +200,54 @@ def test_every_line_of_an_8_rank_job_is_whole_and_names_its_rank(slurm_cluster, 
                "nid000015: cpus 0-1, device cpu")
     assert unattributable_lines(control, 16) == [control]
     assert unattributable_lines(f" 9: {control}", 16) == [f" 9: {control}"]
+
+
+def cpu_ids(cpus: str) -> set[int]:
+    """'0-3,8' (harness.launch.cpu_list) as {0, 1, 2, 3, 8}."""
+    ids = set()
+    for part in cpus.split(","):
+        first, _, last = part.partition("-")
+        ids.update(range(int(first), int(last or first) + 1))
+    return ids
+
+
+def binding_problems(log: str, cpus_per_task: int) -> list[str]:
+    """What is wrong with the CPUs the ranks report ('[launch] rank R (local rank L) on NODE: cpus C'): a rank
+    holding other than --cpus-per-task CPUs, or two ranks of one node sharing one."""
+    problems, on_node = [], {}
+    for rank, node, cpus in re.findall(r"\[launch\] rank (\d+) \(local rank \d+\) on (\S+): cpus ([\d,-]+),", log):
+        ids = cpu_ids(cpus)
+        if len(ids) != cpus_per_task:
+            problems.append(f"rank {rank} on {node}: {len(ids)} cpus ({cpus}), not --cpus-per-task={cpus_per_task}")
+        problems += [f"ranks {other} and {rank} on {node} share cpus {sorted(ids & theirs)}"
+                     for other, theirs in on_node.get(node, {}).items() if ids & theirs]
+        on_node.setdefault(node, {})[rank] = ids
+    return problems
+
+
+@pytest.mark.parametrize("runtime", ["none", pytest.param("podman", marks=pytest.mark.containers)])
+def test_each_rank_of_a_node_is_bound_to_its_own_cores(runtime, host_shaped_cluster, request, tmp_path):
+    """--cpus-per-task and --cpu-bind=cores (slurm/lib/runtime.sh) where Slurm binds (task/affinity, on the
+    cluster whose node declares this machine's sockets and cores): two ranks of one node report disjoint CPUs,
+    --cpus-per-task each, bare and inside the image (the container keeps its task's binding). The control is
+    what the Perlmutter-shaped cluster's ranks report (it cannot bind 32 CPUs per task on a small machine, so
+    every rank holds all of them), which the check must flag."""
+    image = {"CONTAINER_IMAGE": "hpcml/ddp:cpu"} if runtime != "none" else {}
+    if image:
+        request.getfixturevalue("ddp_image")
+    code, job = submit_recipe(host_shaped_cluster, tmp_path, "ddp", "--wait", "-N", "1", "--ntasks-per-node", "2",
+                              "--cpus-per-task", "1", recipe_args=RECIPE_ARGS, CONTAINER_RUNTIME=runtime, **image)
+    log = (tmp_path / f"ddp-{job}.out").read_text()
+    assert code == 0, log[-3000:]
+    assert f"launch: srun --label --kill-on-bad-exit=1 --cpus-per-task=1 --cpu-bind=cores {runtime if image else 'python'}" in log, \
+        log[-3000:]
+    reports = re.findall(r"^ *(\d+): \[launch\] rank \1 \(local rank \1\) on cpu000001: cpus ", log, re.M)
+    assert sorted(reports) == ["0", "1"], log[-3000:]
+    assert binding_problems(log, 1) == [], log[-3000:]
+    assert re.search(r"^ *0: \[ddp\] world_size=2 backend=gloo ", log, re.M) and " done: step 4/4" in log, log[-3000:]
+    unbound = ("0: [launch] rank 0 (local rank 0) on nid000001: cpus 0-1, device cpu\n"
+               "1: [launch] rank 1 (local rank 1) on nid000001: cpus 0-1, device cpu\n")
+    assert binding_problems(unbound, 1) == ["rank 0 on nid000001: 2 cpus (0-1), not --cpus-per-task=1",
+                                            "rank 1 on nid000001: 2 cpus (0-1), not --cpus-per-task=1",
+                                            "ranks 0 and 1 on nid000001 share cpus [0, 1]"]
+    assert binding_problems(unbound.replace("0-1", "0"), 1) == ["ranks 0 and 1 on nid000001 share cpus [0]"]

@@ -12,24 +12,35 @@
 # Nodes advertise Perlmutter's shape (feature "gpu", 4 GPUs as a count-only GRES, 128 CPUs), so the sbatch
 # files in slurm/ run unchanged; a Shifter stand-in (shifter/: SPANK plugin, shifterimg, shifter) runs images as Perlmutter does.
 #
+# LOCAL_SLURM_SHAPE=host starts a second, separate cluster (own state, network, names and port; nodes
+# cpu000001..) whose nodes declare this machine's own sockets and cores and bind each task to its cores
+# (task/affinity), as Perlmutter's do: Perlmutter's 128 CPUs per node cannot be bound on a small machine,
+# and the task plugin is one for the whole cluster. Its jobs name their CPUs (--cpus-per-task=1 here).
+#
 # All state (configs, logs, spool, munge key and socket, PID files) lives under $LOCAL_SLURM_DIR.
 set -euo pipefail
 
-STATE_DIR=${LOCAL_SLURM_DIR:-/tmp/hpcml-slurm}
-SUBNET=${LOCAL_SLURM_SUBNET:-10.250.0}   # the test hosts' own addresses, on a bridge this script creates
+SHAPE=${LOCAL_SLURM_SHAPE:-perlmutter}
+case $SHAPE in
+perlmutter) NAME=hpcml NODE_PREFIX=nid CTLD_PORT=6817 DEFAULT_SUBNET=10.250.0 ;;
+host) NAME=hpcmlhost NODE_PREFIX=cpu CTLD_PORT=6827 DEFAULT_SUBNET=10.251.0 ;;
+*) echo "local_slurm: error: LOCAL_SLURM_SHAPE must be perlmutter or host, got '$SHAPE'" >&2; exit 2 ;;
+esac
+STATE_DIR=${LOCAL_SLURM_DIR:-/tmp/$NAME-slurm}
+SUBNET=${LOCAL_SLURM_SUBNET:-$DEFAULT_SUBNET}   # the test hosts' own addresses, on a bridge this script creates
 # How long Slurm holds a requeued job before it starts it again: until the job's step credentials expire
 # (AuthInfo's cred_expire; Slurm's default, 120 s, where a site sets none). 30 s still covers a step's
 # launch here, and the default tier waits out one requeue; make test-scale measures Slurm's 120 s.
 CRED_EXPIRE=${LOCAL_SLURM_CRED_EXPIRE:-30}
-BRIDGE=hpcmlbr0
-CONTROLLER_NAME=hpcml-ctl
-HOSTS_MARKER="# hpcml-local-slurm"
+BRIDGE=${NAME}br0
+CONTROLLER_NAME=$NAME-ctl
+HOSTS_MARKER="# $NAME-local-slurm"
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 log() { printf 'local_slurm: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-node_name() { printf 'nid%06d' "$1"; }
+node_name() { printf '%s%06d' "$NODE_PREFIX" "$1"; }
 node_ip() { printf '%s.%d' "$SUBNET" $((10 + $1)); }
 
 pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -52,6 +63,29 @@ ensure_packages() {
     fi
 }
 
+# Perlmutter's GPU node (1 socket of 64 cores, 2 threads each), or this machine's own sockets and cores.
+node_shape() {
+    if [[ $SHAPE == perlmutter ]]; then
+        echo "CPUs=128 Boards=1 SocketsPerBoard=1 CoresPerSocket=64 ThreadsPerCore=2"
+        return
+    fi
+    local cpus sockets cores
+    cpus=$(lscpu -p=CPU | grep -vc '^#')
+    sockets=$(lscpu -p=SOCKET | grep -v '^#' | sort -u | wc -l)
+    cores=$(lscpu -p=CORE,SOCKET | grep -v '^#' | sort -u | wc -l)
+    echo "CPUs=$cpus Boards=1 SocketsPerBoard=$sockets CoresPerSocket=$((cores / sockets)) ThreadsPerCore=$((cpus / cores))"
+}
+
+# The Perlmutter-shaped nodes share this machine's few CPUs, which cannot hold 32 bound CPUs per task: no
+# binding there (srun says "cluster configuration lacks support for cpu binding"). The host-shaped ones bind.
+task_plugin() {
+    if [[ $SHAPE == perlmutter ]]; then
+        echo "TaskPlugin=task/none"
+    else
+        echo "TaskPlugin=task/affinity"
+    fi
+}
+
 write_configs() {
     local nodes=$1 i name
     mkdir -p "$STATE_DIR"/{etc,log,run,ctld,spool,munge,munge-key,cgroup-empty}
@@ -59,7 +93,7 @@ write_configs() {
     chmod 755 "$STATE_DIR" "$STATE_DIR/munge"
     chmod 700 "$STATE_DIR/munge-key"
     local hostlist
-    hostlist="nid[$(printf '%06d' 1)-$(printf '%06d' "$nodes")]"
+    hostlist="${NODE_PREFIX}[$(printf '%06d' 1)-$(printf '%06d' "$nodes")]"
 
     {
         cat <<EOF
@@ -77,13 +111,12 @@ SlurmctldPidFile=$STATE_DIR/run/slurmctld.pid
 SlurmdPidFile=$STATE_DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
 SlurmdLogFile=$STATE_DIR/log/slurmd-%n.log
-SlurmctldPort=6817
+SlurmctldPort=$CTLD_PORT
 SlurmdPort=6818
 PlugStackConfig=$STATE_DIR/etc/plugstack.conf
-# No cgroups, no task affinity: the emulated nodes share this machine's CPUs.
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-# Nodes declare Perlmutter's shape, not this machine's.
+$(task_plugin)
+# Nodes declare Perlmutter's shape, not this machine's (LOCAL_SLURM_SHAPE=host: this machine's).
 SlurmdParameters=config_overrides
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
@@ -108,7 +141,7 @@ MailProg=/bin/true
 EOF
         for ((i = 1; i <= nodes; i++)); do
             name=$(node_name "$i")
-            echo "NodeName=$name NodeAddr=$(node_ip "$i") NodeHostname=$name CPUs=128 Boards=1 SocketsPerBoard=1 CoresPerSocket=64 ThreadsPerCore=2 RealMemory=4000 Gres=gpu:4 Feature=gpu State=UNKNOWN"
+            echo "NodeName=$name NodeAddr=$(node_ip "$i") NodeHostname=$name $(node_shape) RealMemory=4000 Gres=gpu:4 Feature=gpu State=UNKNOWN"
         done
         echo "PartitionName=gpu Nodes=$hostlist Default=YES MaxTime=INFINITE State=UP"
     } >"$STATE_DIR/etc/slurm.conf"
@@ -157,8 +190,8 @@ setup_network() {
         name=$(node_name "$i")
         if ! ip netns list | grep -qw "$name"; then
             ip netns add "$name"
-            ip link add "hv$i" type veth peer name eth0 netns "$name"
-            ip link set "hv$i" master "$BRIDGE" up
+            ip link add "${NODE_PREFIX}v$i" type veth peer name eth0 netns "$name"
+            ip link set "${NODE_PREFIX}v$i" master "$BRIDGE" up
             ip -n "$name" addr add "$(node_ip "$i")/24" dev eth0
             ip -n "$name" link set eth0 up
             ip -n "$name" link set lo up
@@ -167,13 +200,24 @@ setup_network() {
         fi
     done
     # Node names must resolve on every "host"; all namespaces share this /etc/hosts.
-    sed -i "/$HOSTS_MARKER/d" /etc/hosts
     {
         echo "$SUBNET.1 $CONTROLLER_NAME $HOSTS_MARKER"
         for ((i = 1; i <= nodes; i++)); do
             echo "$(node_ip "$i") $(node_name "$i") $HOSTS_MARKER"
         done
-    } >>/etc/hosts
+    } | edit_hosts
+}
+
+# This cluster's lines of /etc/hosts replaced by stdin's, under a lock that both shapes' scripts take (one
+# may start while the other stops).
+edit_hosts() {
+    local lines
+    lines=$(cat)
+    (
+        flock 9
+        sed -i "/$HOSTS_MARKER/d" /etc/hosts
+        [[ -z $lines ]] || printf '%s\n' "$lines" >>/etc/hosts
+    ) 9>/tmp/hpcml-local-slurm-hosts.lock
 }
 
 start_daemons() {
@@ -242,7 +286,7 @@ cmd_start() {
 cmd_stop() {
     local name pidfile
     # Job processes first: everything running inside a node's network namespace belongs to that node.
-    for name in $(ip netns list 2>/dev/null | awk '/^nid[0-9]+/ {print $1}'); do
+    for name in $(ip netns list 2>/dev/null | awk -v prefix="^${NODE_PREFIX}[0-9]+$" '$1 ~ prefix {print $1}'); do
         ip netns pids "$name" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     done
     for pidfile in "$STATE_DIR"/run/slurmd-*.pid "$STATE_DIR/run/slurmctld.pid" "$STATE_DIR/run/munged.pid"; do
@@ -255,12 +299,12 @@ cmd_stop() {
         kill -9 "$(cat "$pidfile")" 2>/dev/null || true
         rm -f "$pidfile"
     done
-    for name in $(ip netns list 2>/dev/null | awk '/^nid[0-9]+/ {print $1}'); do
+    for name in $(ip netns list 2>/dev/null | awk -v prefix="^${NODE_PREFIX}[0-9]+$" '$1 ~ prefix {print $1}'); do
         ip netns del "$name" 2>/dev/null || true
     done
     ip link del "$BRIDGE" 2>/dev/null || true
     SHIFTER_GATEWAY_DIR=$STATE_DIR/shifter bash "$HERE/shifter/shifterimg" release-all 2>/dev/null || true
-    sed -i "/$HOSTS_MARKER/d" /etc/hosts
+    edit_hosts </dev/null
     rm -f "$STATE_DIR/shape"
     log "stopped"
 }
