@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,3 +253,30 @@ def test_each_rank_of_a_node_is_bound_to_its_own_cores(runtime, host_shaped_clus
                                             "rank 1 on nid000001: 2 cpus (0-1), not --cpus-per-task=1",
                                             "ranks 0 and 1 on nid000001 share cpus [0, 1]"]
     assert binding_problems(unbound.replace("0-1", "0"), 1) == ["ranks 0 and 1 on nid000001 share cpus [0]"]
+
+
+# A step bound to one CPU (as a rank is) that widens its own affinity to every CPU of the machine (as a
+# library may): under a cgroup cpuset the kernel keeps it on its own CPU; without one it gets them all.
+WIDEN_AFFINITY = """import os
+own = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {own[0]})
+os.sched_setaffinity(0, range(os.cpu_count()))
+print("cpus", own, "then", sorted(os.sched_getaffinity(0)))
+"""
+
+
+def test_a_job_step_cannot_leave_its_cores_where_the_cluster_confines_them(host_shaped_cluster, slurm_cluster):
+    """task/cgroup (ConstrainCores), which the host-shaped cluster adds where this machine's cgroup v1 cpuset
+    hierarchy is writable: a one-CPU step that widens its affinity to every CPU stays on its CPU, as on
+    Perlmutter, where a library that sets its own affinity cannot take another rank's cores. The control: on
+    the Perlmutter-shaped cluster (no cgroup) the same step, narrowed to one CPU, widens to all of them."""
+    config = run(["scontrol", "show", "config"], env=recipe_env(**host_shaped_cluster)).stdout
+    if "task/cgroup" not in re.search(r"^TaskPlugin\s*=\s*(\S+)", config, re.M)[1]:
+        pytest.skip("this machine's cgroup v1 cpuset hierarchy is not writable: the host-shaped cluster binds "
+                    "(task/affinity) without confining (tests/cluster/local_slurm.sh)")
+    step = ["srun", "-N", "1", "-n", "1", "-c", "1", "-t", "1", sys.executable, "-c", WIDEN_AFFINITY]
+    confined = run(step, env=recipe_env(**host_shaped_cluster), timeout=120)
+    assert confined.returncode == 0 and re.fullmatch(r"cpus \[(\d+)\] then \[\1\]\n", confined.stdout), confined
+    widened = run(step, env=recipe_env(**slurm_cluster), timeout=120)
+    every_cpu = sorted(range(os.cpu_count()))
+    assert widened.returncode == 0 and widened.stdout.endswith(f" then {every_cpu}\n") and len(every_cpu) > 1, widened

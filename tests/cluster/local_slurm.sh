@@ -77,10 +77,18 @@ node_shape() {
 }
 
 # The Perlmutter-shaped nodes share this machine's few CPUs, which cannot hold 32 bound CPUs per task: no
-# binding there (srun says "cluster configuration lacks support for cpu binding"). The host-shaped ones bind.
+# binding there (srun says "cluster configuration lacks support for cpu binding"). The host-shaped ones bind
+# each task to its cores (task/affinity) and, where this machine's cgroup v1 cpuset hierarchy is writable,
+# confine each job step to them (task/cgroup, ConstrainCores), as Perlmutter's nodes do.
+cgroup_cpusets() {
+    [[ $SHAPE == host && -w /sys/fs/cgroup/cpuset/cpuset.cpus && $(stat -fc %T /sys/fs/cgroup/cpuset) == cgroupfs ]]
+}
+
 task_plugin() {
     if [[ $SHAPE == perlmutter ]]; then
         echo "TaskPlugin=task/none"
+    elif cgroup_cpusets; then
+        echo "TaskPlugin=task/affinity,task/cgroup"
     else
         echo "TaskPlugin=task/affinity"
     fi
@@ -151,12 +159,13 @@ EOF
     mkdir -p "$STATE_DIR/dev"
     touch "$STATE_DIR"/dev/nvidia{0..3}
     echo "NodeName=$hostlist Name=gpu File=$STATE_DIR/dev/nvidia[0-3]" >"$STATE_DIR/etc/gres.conf"
-    # slurmd 22.05 initialises its cgroup plugin even when nothing uses it; point it at an empty dir.
-    cat >"$STATE_DIR/etc/cgroup.conf" <<EOF
-CgroupPlugin=cgroup/v1
-CgroupMountpoint=$STATE_DIR/cgroup-empty
-CgroupAutomount=no
-EOF
+    # slurmd 22.05 initialises its cgroup plugin even when nothing uses it; point it at an empty dir, or, for
+    # task/cgroup, at this machine's cgroup v1 hierarchies (cpuset: the cores).
+    if cgroup_cpusets; then
+        printf '%s\n' CgroupPlugin=cgroup/v1 CgroupMountpoint=/sys/fs/cgroup CgroupAutomount=no ConstrainCores=yes
+    else
+        printf '%s\n' CgroupPlugin=cgroup/v1 "CgroupMountpoint=$STATE_DIR/cgroup-empty" CgroupAutomount=no
+    fi >"$STATE_DIR/etc/cgroup.conf"
     # Shifter's SPANK plugin (stand-in): --image is resolved at submission through the local image gateway.
     echo "required $STATE_DIR/spank_shifter_options.so shifterimg=$HERE/shifter/shifterimg gateway=$STATE_DIR/shifter" \
         >"$STATE_DIR/etc/plugstack.conf"
