@@ -26,27 +26,6 @@ def pytest_configure(config):
         os.environ[megatron_shim.RUN_DIR_ENV] = tempfile.mkdtemp(prefix="hpcml-test-run-")
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """`make test`'s two workers (--dist loadscope) get whole modules, so that a module's tests share its
-    module-scoped fixtures; but one long module handed out last (the matrix: 25 minutes) left the other
-    worker idle for its length. Here only the modules that have module-scoped fixtures, and the test
-    classes, stay whole: every other test is its own unit. xdist hands out the units with the most tests
-    first, so the single tests come last, and a run ends within about one test of its last unit."""
-    if config.getvalue("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    shared = {path.relative_to(REPO).as_posix() for path in (REPO / "tests").rglob("test_*.py")
-              if 'scope="module"' in path.read_text()}
-
-    class ModulesWithSharedFixturesWhole(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module, _, test = nodeid.partition("::")
-            return super()._split_scope(nodeid) if module in shared or "::" in test else nodeid
-
-    return ModulesWithSharedFixturesWhole(config, log)
-
-
 def pytest_sessionfinish(session):
     """After the last test of the run (pytest-xdist: in the controller, once every worker finished): once every
     test that runs megatron passed, every entry of the CPU shim's allow-list must have been needed by one of
