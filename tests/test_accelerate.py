@@ -9,12 +9,11 @@ Resume: AdamW (its moments are what a resume must restore) on 2 ranks x 2 micro-
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
 from support.curves import caught, losses, max_relative_difference, PARITY_RTOL, read_metrics
-from support.runs import accelerate_launch as launch, assert_ok, fault, recipe_env, REPO, run, TINY
+from support.runs import accelerate_launch as launch, assert_ok, fault, python, recipe_env, REPO, TINY
 
 RECIPE = REPO / "recipes" / "accelerate" / "train.py"
 MULTI_GPU_CONFIG = REPO / "recipes" / "accelerate" / "multi_gpu.yaml"
@@ -70,8 +69,8 @@ def test_a_launch_that_starts_one_process_instead_of_two_is_refused(tmp_path):
 def test_an_accelerate_config_that_contradicts_the_allocation_is_refused(tmp_path, config, fragments):
     path = tmp_path / "accelerate.yaml"
     path.write_text(config)
-    result = run([sys.executable, str(RECIPE), *TINY, "--out-dir", str(tmp_path / "run"), "--launch-config", str(path),
-                  "--preflight", "4"], env=recipe_env(SLURM_JOB_NUM_NODES="2"), timeout=120)
+    result = python(RECIPE, *TINY, "--out-dir", str(tmp_path / "run"), "--launch-config", str(path),
+                  "--preflight", "4", env=recipe_env(SLURM_JOB_NUM_NODES="2"), timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[accelerate] error: "), result.stderr
     for fragment in fragments:
@@ -81,8 +80,8 @@ def test_an_accelerate_config_that_contradicts_the_allocation_is_refused(tmp_pat
 
 def test_the_shipped_configs_pass_the_check_for_any_layout():
     for world_size, nodes in ((1, 1), (4, 2), (8, 2)):
-        result = run([sys.executable, str(RECIPE), *TINY, "--global-batch", "8", "--launch-config",
-                      str(MULTI_GPU_CONFIG), "--preflight", str(world_size)],
+        result = python(RECIPE, *TINY, "--global-batch", "8", "--launch-config",
+                      str(MULTI_GPU_CONFIG), "--preflight", str(world_size),
                      env=recipe_env(SLURM_JOB_NUM_NODES=str(nodes)), timeout=120)
         assert_ok(result)
         assert f"options fit world size {world_size}" in result.stdout

@@ -6,17 +6,17 @@
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
 import pytest
 
-from support.runs import DDP_RECIPE, free_port, recipe_env, REPO, run, TINY
+from support.runs import DDP_RECIPE, free_port, python, recipe_env, REPO, TINY
 
 
 def run_as_rank0_of(world_size: int, *args: str, **extra_env: str):
     env = recipe_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port()), **extra_env)
-    return run([sys.executable, str(DDP_RECIPE), *TINY, *args], env=env, timeout=60)
+    return python(DDP_RECIPE, *TINY, *args, env=env, timeout=60)
 
 
 def assert_one_line_error(result, *fragments: str) -> None:
@@ -76,7 +76,7 @@ TORCH_RECIPES = ["ddp", "accelerate", "deepspeed", "fsdp_tp_pp", "megatron_tp_pp
 def test_help_shows_no_test_only_option(recipe):
     """The negative controls are the tests' (HPCML_TEST_FAULT), not options a user reads in --help."""
     path = REPO / "recipes" / (recipe if "/" in recipe else f"{recipe}/train")
-    result = run([sys.executable, f"{path}.py", "--help"], env=recipe_env(), timeout=120)
+    result = python(Path(f"{path}.py"), "--help", timeout=120)
     assert result.returncode == 0 and "--max-steps" in result.stdout, result.stderr
     for word in ("test-break", "skip-grad", "test-last", "test-resume", "TESTS ONLY", "wrong on purpose"):
         assert word not in result.stdout, word
@@ -84,7 +84,7 @@ def test_help_shows_no_test_only_option(recipe):
 
 def test_recipe_started_in_batch_script_without_srun_is_refused(tmp_path):
     env = recipe_env(SLURM_JOB_ID="99", SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_JOB_NODELIST="nid[000001-000002]")
-    result = run([sys.executable, str(DDP_RECIPE), *TINY, "--out-dir", str(tmp_path)], env=env, timeout=60)
+    result = python(DDP_RECIPE, *TINY, "--out-dir", str(tmp_path), env=env, timeout=60)
     assert_one_line_error(result, "launch it with srun")
 
 
@@ -105,6 +105,6 @@ def test_a_path_of_the_wrong_kind_is_one_line(tmp_path, option):
 
 @pytest.mark.parametrize("world_size", ["0", "-1"])
 def test_a_world_size_below_one_is_refused_by_the_preflight(tmp_path, world_size):
-    result = run([sys.executable, str(DDP_RECIPE), *TINY, "--out-dir", str(tmp_path), "--preflight", world_size],
+    result = python(DDP_RECIPE, *TINY, "--out-dir", str(tmp_path), "--preflight", world_size,
                  env=recipe_env(), timeout=60)
     assert_one_line_error(result, f"the world size must be at least 1 rank, got {world_size}")

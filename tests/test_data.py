@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from support.curves import caught, eval_losses, losses, max_relative_difference, PARITY_RTOL, read_metrics
-from support.runs import assert_ok, fault, free_port, recipe_env, REPO, run, run_single, run_torchrun
+from support.runs import assert_ok, fault, recipe_env, python, REPO, run, run_single, run_torchrun, torchrun
 
 PREPARE = REPO / "recipes" / "data" / "prepare.py"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -206,8 +206,8 @@ def test_data_naming_a_file_says_what_a_token_file_is_not_where_to_mount(corpus,
                                  f"{text} --out {tmp_path}/corpus-tokens"),
                           (Path(f"{corpus}.bin"), f"--data {corpus}.bin names one file of a token file: give the prefix "
                                                   f"of the three, --data {corpus}")):
-        result = run([sys.executable, str(REPO / "recipes" / "ddp" / "train.py"), "--out-dir", str(tmp_path / "run"),
-                      "--data", str(data), "--preflight", "2"], env=recipe_env(**runtime), timeout=120)
+        result = python(REPO / "recipes" / "ddp" / "train.py", "--out-dir", str(tmp_path / "run"),
+                      "--data", str(data), "--preflight", "2", env=recipe_env(**runtime), timeout=120)
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"[ddp] error: {message}"], result.stderr
 
 
@@ -252,8 +252,8 @@ def test_a_token_file_missing_inside_a_container_is_named_as_a_mount_problem(tmp
     """In the image (here: as Shifter marks its containers), a prefix that is not there is most often one the
     runtime does not mount: the recipe's preflight says which mounts each runtime has."""
     prefix = tmp_path / "elsewhere" / "tokens"
-    result = run([sys.executable, str(REPO / "recipes" / "ddp" / "train.py"), "--out-dir", str(tmp_path / "run"),
-                  "--data", str(prefix), "--preflight", "2"], env=recipe_env(SHIFTER_RUNTIME="1"), timeout=120)
+    result = python(REPO / "recipes" / "ddp" / "train.py", "--out-dir", str(tmp_path / "run"),
+                  "--data", str(prefix), "--preflight", "2", env=recipe_env(SHIFTER_RUNTIME="1"), timeout=120)
     assert result.returncode == 2 and result.stderr.count("[ddp] error: ") == 1, result.stderr
     assert f"{prefix}.json does not exist in this shifter container" in result.stderr
     assert f'Shifter: $SCRATCH, $HOME; podman and podman-hpc: CONTAINER_MOUNTS="{prefix.parent}"' in result.stderr
@@ -282,10 +282,8 @@ def test_megatron_on_real_data_two_ranks_match_one_process(corpus, tmp_path):
     recipe = REPO / "recipes" / "megatron_tp_pp" / "train.py"
     args = ["--data", str(corpus), "--seq-len", "32", "--num-layers", "2", "--global-batch", "8", "--max-steps", "4",
             "--eval-every", "2", "--eval-batches", "2", *SGD, "--clip-grad", "0"]
-    assert_ok(run([sys.executable, str(recipe), "--out-dir", str(tmp_path / "one"), *args], env=recipe_env(), timeout=300))
-    assert_ok(run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                   f"--master_port={free_port()}", str(recipe), "--out-dir", str(tmp_path / "two"), *args],
-                  env=recipe_env(HPCML_EXPECTED_WORLD_SIZE="2"), timeout=300))
+    assert_ok(python(recipe, "--out-dir", str(tmp_path / "one"), *args, env=recipe_env(), timeout=300))
+    assert_ok(torchrun(recipe, 2, "--out-dir", str(tmp_path / "two"), *args, env=recipe_env(HPCML_EXPECTED_WORLD_SIZE="2")))
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert two["layout"]["dp"] == 2 and two["world_size"] == 2 and one["world_size"] == 1
     assert max_relative_difference(losses(two), losses(one)) <= PARITY_RTOL

@@ -10,12 +10,11 @@ than 100x the parity tolerance.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from support.curves import caught, losses, max_relative_difference, PARITY_RTOL, read_metrics
-from support.runs import assert_ok, free_port, recipe_env, REPO, run, TINY
+from support.runs import assert_ok, python, recipe_env, REPO, TINY, torchrun as launch_torchrun
 
 RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 STEPS = [*TINY, "--global-batch", "8", "--max-steps", "6", "--checkpoint-every", "2"]
@@ -23,9 +22,7 @@ ADAMW = [*STEPS, "--lr", "0.01"]  # the resume tests: Adam's moments are what a 
 
 
 def torchrun(out_dir, nproc: int, *args: str, **env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(RECIPE), "--out-dir", str(out_dir), *args]
-    return run(cmd, env=recipe_env(**env), timeout=300)
+    return launch_torchrun(RECIPE, nproc, "--out-dir", str(out_dir), *args, env=recipe_env(**env))
 
 
 def assert_one_line_error(result, *fragments: str) -> None:
@@ -59,8 +56,8 @@ def test_checkpoint_resume_reproduces_later_losses(zero2_adamw, tmp_path):
     assert losses(resumed) == losses(zero2_adamw)
 
     # The shards fit ZeRO-2 on 2 ranks only: another stage is refused before any rank starts.
-    refused = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), "--zero-stage", "3", *ADAMW,
-                   "--preflight", "2"], env=recipe_env(), timeout=120)
+    refused = python(RECIPE, "--out-dir", str(tmp_path), "--zero-stage", "3", *ADAMW,
+                   "--preflight", "2", env=recipe_env(), timeout=120)
     assert_one_line_error(refused, "holds ZeRO-2 shards of 2 ranks; this run is ZeRO-3 on 2")
 
 
@@ -89,8 +86,8 @@ def ds_config_file(tmp_path, **changes) -> str:
     (2, lambda tmp: ["--ds-config", str(tmp / "missing.json")], ["cannot read --ds-config"]),
 ])
 def test_bad_deepspeed_settings_are_refused_before_any_rank_starts(tmp_path, world_size, make_args, fragments):
-    result = run([sys.executable, str(RECIPE), *TINY, "--out-dir", str(tmp_path / "run"), *make_args(tmp_path),
-                  "--preflight", str(world_size)], env=recipe_env(), timeout=120)
+    result = python(RECIPE, *TINY, "--out-dir", str(tmp_path / "run"), *make_args(tmp_path),
+                  "--preflight", str(world_size), env=recipe_env(), timeout=120)
     assert_one_line_error(result, *fragments)
     assert not (tmp_path / "run").exists()
 
@@ -105,8 +102,8 @@ def test_a_truncated_shard_is_refused_before_any_rank_starts(tmp_path):
     size = shard.stat().st_size
     with open(shard, "r+b") as file:
         file.truncate(size // 2)
-    refused = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path), "--zero-stage", "2", *STEPS,
-                   "--preflight", "2"], env=recipe_env(), timeout=120)
+    refused = python(RECIPE, "--out-dir", str(tmp_path), "--zero-stage", "2", *STEPS,
+                   "--preflight", "2", env=recipe_env(), timeout=120)
     assert_one_line_error(refused, f"the checkpoint {newest} is damaged: {shard.relative_to(newest)} has {size // 2} "
                           f"bytes where {size} were written; move {newest} away")
     newest.rename(tmp_path / "damaged-step-3")

@@ -5,12 +5,11 @@ uninterrupted curve (config AdamW); another --pp is refused, as ZeRO-2/3 with a 
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
 from support.curves import losses, read_metrics
-from support.runs import assert_ok, assert_preflight_refuses, recipe_env, REPO, run, run_recipe
+from support.runs import assert_ok, assert_preflight_refuses, python, recipe_env, REPO, run_recipe
 
 RECIPE = REPO / "recipes" / "deepspeed" / "train.py"
 MODEL = ["--seq-len", "32", "--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--global-batch", "8"]
@@ -30,8 +29,8 @@ def test_resume_in_the_same_layout_matches_the_uninterrupted_run(tmp_path):
     assert_ok(result)
     assert "resumed from" in result.stdout and "(step 3)" in result.stdout
     assert losses(read_metrics(tmp_path / "resumed")) == losses(read_metrics(tmp_path / "straight"))
-    other = run([sys.executable, str(RECIPE), "--out-dir", str(tmp_path / "resumed"), *adamw, "--max-steps", "8",
-                 "--pp", "4", "--preflight", "4"], env=recipe_env(), timeout=120)  # what slurm/lib/launch.sh runs first
+    other = python(RECIPE, "--out-dir", str(tmp_path / "resumed"), *adamw, "--max-steps", "8",
+                 "--pp", "4", "--preflight", "4", env=recipe_env(), timeout=120)  # what slurm/lib/launch.sh runs first
     assert other.returncode == 2 and "was written by 2 pipeline stage(s); this run has --pp 4" in other.stderr
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.curves import caught, losses, max_relative_difference, PARITY_RTOL, read_metrics
-from support.runs import assert_ok, DDP_RECIPE, recipe_env, REPO, run, run_recipe
+from support.runs import assert_ok, DDP_RECIPE, python, recipe_env, REPO, run_recipe
 
 sys.path.insert(0, str(REPO / "recipes"))
 import harness  # noqa: E402
@@ -23,7 +23,7 @@ EXPORT = REPO / "recipes" / "export_hf.py"
 
 
 def export_command(checkpoint: Path, out: Path, *extra: str):
-    return run([sys.executable, str(EXPORT), str(checkpoint), "--out", str(out), *extra], env=recipe_env(), timeout=300)
+    return python(EXPORT, str(checkpoint), "--out", str(out), *extra, env=recipe_env(), timeout=300)
 
 
 # ---- the learning-rate schedule and gradient clipping
@@ -118,8 +118,8 @@ def test_a_fine_tuning_option_that_cannot_work_is_one_line_before_any_rank(case,
     }[case]
     for mode in modes:
         preflight = ["--preflight", str(world)] if mode == "preflight" else []
-        result = run([sys.executable, str(recipe), "--out-dir", str(tmp_path / "run"), *args, "--max-steps", "1",
-                      *preflight], env=recipe_env(), timeout=120)
+        result = python(recipe, "--out-dir", str(tmp_path / "run"), *args, "--max-steps", "1",
+                      *preflight, env=recipe_env(), timeout=120)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"[{recipe.parent.name}] error: "), \
             result.stderr

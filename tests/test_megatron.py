@@ -20,21 +20,20 @@ import pytest
 
 from support import megatron_shim
 from support.curves import caught, losses, max_relative_difference, PARITY_RTOL, read_metrics
-from support.runs import assert_ok, EVAL, free_port, recipe_env, REPO, run
+from support.runs import assert_ok, EVAL, free_port, python, recipe_env, REPO, run, torchrun as launch_torchrun
 
 RECIPE = REPO / "recipes" / "megatron_tp_pp" / "train.py"
 STEPS = ["--seq-len", "32", "--max-steps", "4", "--checkpoint-every", "0", "--log-every", "1",
          "--optimizer", "sgd", "--lr", "1.0", "--clip-grad", "0", *EVAL]
 
 
-def torchrun(out_dir, nproc: int, *args: str, **env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(RECIPE), "--out-dir", str(out_dir), *args]
-    return run(cmd, env=recipe_env(HPCML_EXPECTED_WORLD_SIZE=str(nproc), **env), timeout=300)
+def torchrun(out_dir, nproc: int, *args: str, real: bool = False, **env):
+    return launch_torchrun(RECIPE, nproc, "--out-dir", str(out_dir), *args, real=real,
+                           env=recipe_env(HPCML_EXPECTED_WORLD_SIZE=str(nproc), **env))
 
 
 def single(out_dir, *args: str):
-    return run([sys.executable, str(RECIPE), "--out-dir", str(out_dir), *args], env=recipe_env(), timeout=300)
+    return python(RECIPE, "--out-dir", str(out_dir), *args, env=recipe_env(), timeout=300)
 
 
 def assert_refused_by_every_rank(out_dir, nproc: int, *args: str, fragment: str) -> None:
@@ -44,14 +43,14 @@ def assert_refused_by_every_rank(out_dir, nproc: int, *args: str, fragment: str)
     first refusal makes the agent stop the others, so whether they print their line is a race. A rank that
     did not refuse would wait for the others at the rendezvous, and fail by the timeout instead."""
     for rank in range(nproc):
-        result = run([sys.executable, str(RECIPE), "--out-dir", str(out_dir), *args], timeout=120,
+        result = python(RECIPE, "--out-dir", str(out_dir), *args, timeout=120,
                      env=recipe_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                                     MASTER_PORT=str(free_port()), HPCML_EXPECTED_WORLD_SIZE=str(nproc)))
         errors = [line for line in result.stderr.splitlines() if line.startswith("[megatron_tp_pp] error: ")]
         assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], (rank, result.stderr)
         assert "Traceback" not in result.stderr, (rank, result.stderr)
     # And through torchrun itself: the job fails with the rank's exit code 2, not with a traceback of the recipe.
-    result = torchrun(out_dir, nproc, *args)
+    result = torchrun(out_dir, nproc, *args, real=True)
     errors = [line for line in result.stderr.splitlines() if line.startswith("[megatron_tp_pp] error: ")]
     assert result.returncode != 0 and errors and all(fragment in line for line in errors), result.stderr
     assert "exitcode  : 2" in result.stderr and "train.py\", line" not in result.stderr, result.stderr
@@ -156,7 +155,7 @@ def test_resume_refuses_another_model(tmp_path):
 
 
 def preflight(world_size: int, *args: str, **env):
-    return run([sys.executable, str(RECIPE), "--preflight", str(world_size), "--out-dir", "/nonexistent/x", *args],
+    return python(RECIPE, "--preflight", str(world_size), "--out-dir", "/nonexistent/x", *args,
                env=recipe_env(**env), timeout=120)
 
 

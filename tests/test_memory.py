@@ -18,11 +18,10 @@ GPU, bench/gpu_check.py records torch.cuda.max_memory_allocated for the comparis
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from support.runs import assert_ok, REPO, recipe_env, run, run_recipe
+from support.runs import assert_ok, python, REPO, recipe_env, run_recipe
 
 RECIPE = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
 DDP_RECIPE = REPO / "recipes" / "ddp" / "train.py"
@@ -49,8 +48,8 @@ def recipe_of(name: str):
 def estimate(tmp_path, name: str, ranks: int, options: list[str], gpu: str = "a100-40", model=MODEL):
     """(exit code, stdout, the JSON report) of an estimate from one process for ``ranks`` ranks."""
     out = tmp_path / f"{name}.json"
-    result = run([sys.executable, str(recipe_of(name)), "--out-dir", str(tmp_path / "run"), *model, *options, "--estimate-memory", gpu,
-                  "--world", str(ranks), "--estimate-json", str(out)], env=recipe_env(), timeout=300)
+    result = python(recipe_of(name), "--out-dir", str(tmp_path / "run"), *model, *options, "--estimate-memory", gpu,
+                  "--world", str(ranks), "--estimate-json", str(out), env=recipe_env(), timeout=300)
     assert result.returncode in (0, 1), result.stderr[-3000:]
     return result.returncode, result.stdout, json.loads(out.read_text())
 
@@ -251,7 +250,7 @@ def test_zero_shards_the_optimizer_state_and_deepspeeds_default_bucket_is_a_gib(
 def test_what_cannot_be_estimated_is_one_line(tmp_path, recipe, options, message):
     path = recipe_of(recipe)
     model = DEEPSPEED_MODEL if recipe == "deepspeed" else MODEL
-    result = run([sys.executable, str(path), "--out-dir", str(tmp_path), *model, *options], env=recipe_env(), timeout=120)
+    result = python(path, "--out-dir", str(tmp_path), *model, *options, env=recipe_env(), timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"[{recipe}] error: ") and message in lines[0], \
         result.stderr

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support.curves import losses, PARITY_RTOL, read_metrics
-from support.runs import accelerate_launch, assert_ok, DDP_RECIPE, EVAL, recipe_env, REPO, run, run_recipe
+from support.runs import accelerate_launch, assert_ok, DDP_RECIPE, EVAL, python, recipe_env, REPO, run_recipe
 
 sys.path.insert(0, str(REPO / "recipes"))
 import harness  # noqa: E402
@@ -55,8 +55,8 @@ def test_the_log_says_what_it_can_of_your_model(tiny_llama, fields_file, tmp_pat
 
 
 def test_a_pipeline_of_a_hugging_face_model_is_refused_on_deepspeed(tiny_llama, tmp_path):
-    result = run([sys.executable, str(REPO / "recipes" / "deepspeed" / "train.py"), "--out-dir", str(tmp_path),
-                  "--model", f"hf:{tiny_llama}", *SHORT, "--pp", "2", "--preflight", "2"], env=recipe_env(), timeout=120)
+    result = python(REPO / "recipes" / "deepspeed" / "train.py", "--out-dir", str(tmp_path),
+                  "--model", f"hf:{tiny_llama}", *SHORT, "--pp", "2", "--preflight", "2", env=recipe_env(), timeout=120)
     assert result.returncode == 2 and "the pipeline splits the stack's GPT" in result.stderr, result.stderr
 
 
@@ -118,7 +118,7 @@ def test_the_exported_model_loads_and_gives_the_trained_models_logits(tiny_llama
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert (ours - before).abs().max() > 1e-3
     # recipes/export_hf.py on the run directory (its newest checkpoint): the same model
-    exported = run([sys.executable, str(EXPORT), str(tmp_path / "run"), "--out", str(tmp_path / "again")],
+    exported = python(EXPORT, str(tmp_path / "run"), "--out", str(tmp_path / "again"),
                    env=recipe_env(), timeout=300)
     assert_ok(exported)
     assert {"ddp": "the DDP recipe's checkpoint file", "accelerate": "accelerate's save_state"}[recipe] in exported.stdout
@@ -176,8 +176,8 @@ def test_a_model_that_cannot_be_used_is_one_line_before_any_rank(tiny_llama, tmp
     }[case]
     # (the factory's result is known only once it is built: on each rank, before the first step)
     for preflight in ([] if case == "not-a-module" else [["--preflight", "2"]]) + [[]]:
-        result = run([sys.executable, str(DDP_RECIPE), "--out-dir", str(tmp_path / "run"), "--model", model, *extra,
-                      "--max-steps", "1", *preflight], env=recipe_env(), timeout=120)
+        result = python(DDP_RECIPE, "--out-dir", str(tmp_path / "run"), "--model", model, *extra,
+                      "--max-steps", "1", *preflight, env=recipe_env(), timeout=120)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[ddp] error: --"), result.stderr
         assert message in lines[0], lines[0]

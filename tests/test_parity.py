@@ -15,7 +15,6 @@ spread over the workers.
 from __future__ import annotations
 
 import json
-import sys
 import tomllib
 from pathlib import Path
 
@@ -24,8 +23,8 @@ import torch
 
 from support import megatron_shim
 from support.curves import CONTROL_MARGIN, PARITY_RTOL, PARITY_TABLE, caught, curve, max_relative_difference, read_metrics
-from support.runs import (REPO, TF_PYTHON, VENV_TF, accelerate_launch, assert_ok, horovodrun, mpiexec, recipe_env,
-                          run, run_recipe, tf_single)
+from support.runs import (REPO, TF_PYTHON, VENV_TF, accelerate_launch, assert_ok, horovodrun, mpiexec, python,
+                          recipe_env, run_recipe, tf_single)
 from test_warnings import warnings_in
 
 TABLE = tomllib.loads(PARITY_TABLE.read_text())
@@ -57,7 +56,10 @@ def fixtures_for(row: dict, request) -> dict[str, str]:
 
 def launch(row: dict, out_dir: Path, args: list[str], **env: str):
     """The row's recipe on its launcher: one plain process (references), torchrun, accelerate launch, horovodrun,
-    MPICH's mpiexec, or one process with its CPU split into --devices N logical devices (MirroredStrategy)."""
+    MPICH's mpiexec, or one process with its CPU split into --devices N logical devices (MirroredStrategy).
+    One process and torchrun's ranks are forked from the test worker's fork server (support/forkserver.py),
+    except for a row that checks the log for warnings: a fresh interpreter's import-time warnings count there."""
+    real = "quiet" in row.get("checks", [])
     recipe, ranks = REPO / "recipes" / RECIPES[row["recipe"]], row.get("ranks", 1)
     launcher = row.get("launcher", "torchrun" if ranks > 1 else "single")
     if row["recipe"] in IN_VENV_TF:
@@ -66,11 +68,11 @@ def launch(row: dict, out_dir: Path, args: list[str], **env: str):
     if launcher == "single":
         if row["recipe"] in IN_VENV_TF:
             return tf_single(recipe, out_dir, *args, **env)
-        return run_recipe(recipe, out_dir, 1, *args, **env)
+        return run_recipe(recipe, out_dir, 1, *args, real=real, **env)
     if launcher == "devices":
         return tf_single(recipe, out_dir, *args, "--devices", str(ranks), **env)
     if launcher == "torchrun":
-        return run_recipe(recipe, out_dir, ranks, *args, HPCML_EXPECTED_WORLD_SIZE=str(ranks), **env)
+        return run_recipe(recipe, out_dir, ranks, *args, real=real, HPCML_EXPECTED_WORLD_SIZE=str(ranks), **env)
     if launcher == "accelerate":
         return accelerate_launch(recipe, out_dir, ranks, *args, HPCML_EXPECTED_WORLD_SIZE=str(ranks), **env)
     return {"horovodrun": horovodrun, "mpiexec": mpiexec}[launcher](recipe, out_dir, ranks, *args, **env)
@@ -145,8 +147,11 @@ def recipe_checks(row: dict, metrics: dict) -> None:
 
 
 def test_the_table_is_what_the_tests_use():
-    """One tolerance, here and in the table; every id once; every reference and option set a row names exists."""
-    assert (PARITY_RTOL, CONTROL_MARGIN) == (TABLE["tolerance"], TABLE["control_margin"])
+    """The tolerance and control margin are the ones the documentation promises (a looser table fails here
+    until the docs say so); every id once; every reference and option set a row names exists."""
+    assert (PARITY_RTOL, CONTROL_MARGIN) == (1e-5, 100)
+    assert "within 1e-5" in (REPO / "README.md").read_text()
+    assert "within 1e-5" in (REPO / "docs" / "tests.md").read_text() and "by at least 100×" in (REPO / "docs" / "tests.md").read_text()
     ids = [row["id"] for row in TABLE["layouts"]]
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
     assert all(row["reference"] in TABLE["reference"] for row in TABLE["layouts"])
@@ -211,7 +216,8 @@ def layout_matches_one_process(self, row, reference, request, tmp_path):
         theirs = final_weights(ref_dir / "run", step)
         ours = final_weights(tmp_path / "run", step)
         for name, tensor in theirs.items():
-            torch.testing.assert_close(ours[name], tensor, rtol=PARITY_RTOL, atol=1e-6, msg=name)
+            torch.testing.assert_close(ours[name], tensor, rtol=PARITY_RTOL, atol=row.get("params_atol", 1e-6),
+                                       msg=lambda detail, name=name: f"{name}: {detail}")
     if "quiet" in checks:
         assert warnings_in(result) == []
     if "export" in checks:
@@ -227,7 +233,7 @@ def check_export(row: dict, out: Path, ref_dir: Path, request) -> None:
     torch.testing.assert_close(logits(export), logits(ref_dir / "export"), rtol=PARITY_RTOL, atol=PARITY_RTOL)
     untrained = Path(fixtures_for(row, request)["tiny_llama"])
     assert (logits(export) - logits(untrained)).abs().max() > 1e-3
-    again = run([sys.executable, str(REPO / "recipes" / "export_hf.py"), str(out / "run"), "--out", str(out / "again")],
+    again = python(REPO / "recipes" / "export_hf.py", str(out / "run"), "--out", str(out / "again"),
                 env=recipe_env(), timeout=300)
     assert_ok(again)
     assert ("LoRA rank 4" if "lora" in row.get("checks", []) else EXPORT_READS[row["recipe"]]) in again.stdout, again.stdout

@@ -7,13 +7,12 @@ HPCML_NSYS=1 (Nsight Systems around each rank) is the launcher's: tests/test_lau
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from support.curves import read_metrics
-from support.runs import assert_ok, REPO, run, recipe_env, run_recipe, tf_single, TINY
+from support.runs import assert_ok, python, REPO, recipe_env, run_recipe, tf_single, TINY
 
 RECIPES = REPO / "recipes"
 SHORT = [*TINY, "--global-batch", "8", "--checkpoint-every", "0", "--no-resume"]
@@ -102,8 +101,8 @@ def test_the_data_loaders_share_of_the_step_is_measured(tmp_path):
     ("7:8", "--profile 7:8 starts after the last step (--max-steps 5)"),
 ])
 def test_a_profile_range_that_cannot_be_recorded_is_one_line(tmp_path, value, message):
-    result = run([sys.executable, str(RECIPES / "ddp" / "train.py"), "--out-dir", str(tmp_path), "--max-steps", "5",
-                  "--profile", value, "--preflight", "2"], env=recipe_env(), timeout=120)
+    result = python(RECIPES / "ddp" / "train.py", "--out-dir", str(tmp_path), "--max-steps", "5",
+                  "--profile", value, "--preflight", "2", env=recipe_env(), timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[ddp] error: ") and message in lines[0], result.stderr
 

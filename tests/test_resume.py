@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,10 +35,17 @@ def straight(tmp_path_factory):
     return losses(read_metrics(out))
 
 
-def stop_and_resume(out, *resume_args: str, resume_ranks: int = 2, defect: str | None = None):
-    first = run_torchrun(out, 2, *ARGS, "--stop-at-step", "3")
-    assert_ok(first)
+@pytest.fixture(scope="module")
+def stopped_at_3(tmp_path_factory):
+    """2 ranks stopped after step 3 (its checkpoint): run once, copied for each resume below."""
+    out = tmp_path_factory.mktemp("stopped")
+    assert_ok(run_torchrun(out, 2, *ARGS, "--stop-at-step", "3"))
     assert read_metrics(out)["stopped_early"] is True and read_metrics(out)["last_step"] == 3
+    return out
+
+
+def stop_and_resume(stopped, out, *resume_args: str, resume_ranks: int = 2, defect: str | None = None):
+    shutil.copytree(stopped, out, dirs_exist_ok=True)
     second = run_torchrun(out, resume_ranks, *ARGS, *resume_args, **fault(defect)) if resume_ranks > 1 else \
         run_single(out, *ARGS, *resume_args, **fault(defect))
     assert_ok(second)
@@ -47,23 +55,23 @@ def stop_and_resume(out, *resume_args: str, resume_ranks: int = 2, defect: str |
     return losses(resumed)
 
 
-def test_stop_and_resume_gives_the_same_curve(straight, tmp_path):
+def test_stop_and_resume_gives_the_same_curve(straight, stopped_at_3, tmp_path):
     # Same data position, optimizer state and weights: the curves agree step for step, to the bit.
-    assert stop_and_resume(tmp_path) == straight
+    assert stop_and_resume(stopped_at_3, tmp_path) == straight
 
 
 @pytest.mark.parametrize("defect", ["resume-fresh-optimizer", "resume-data-from-start"])
-def test_a_resume_that_loses_state_is_caught(straight, tmp_path, defect):
-    resumed = stop_and_resume(tmp_path, defect=defect)
+def test_a_resume_that_loses_state_is_caught(straight, stopped_at_3, tmp_path, defect):
+    resumed = stop_and_resume(stopped_at_3, tmp_path, defect=defect)
     assert resumed[:3] == straight[:3]  # the steps before the stop are the first run's
     assert resumed != straight
     assert caught(max_relative_difference(resumed[3:], straight[3:]), PARITY_RTOL)
 
 
-def test_a_checkpoint_resumes_at_another_world_size(straight, tmp_path):
+def test_a_checkpoint_resumes_at_another_world_size(straight, stopped_at_3, tmp_path):
     """DDP's checkpoint holds the whole model and optimizer and the data position is the step, so 2 ranks'
     checkpoint continues on 1 process (or more ranks) on the same curve, within float reduction order."""
-    resumed = stop_and_resume(tmp_path, resume_ranks=1)
+    resumed = stop_and_resume(stopped_at_3, tmp_path, resume_ranks=1)
     assert max_relative_difference(resumed, straight) <= PARITY_RTOL
 
 

@@ -1,0 +1,137 @@
+"""Where a test run's time went: every test's set-up, call and tear-down, the worker it ran on, the tier's total
+against its budget, and a fixed CPU benchmark of the machine, so that two runs on two machines can be compared.
+
+conftest.py wires it into pytest: each run writes runs/test-durations/<time>.json (and latest.json) and prints
+one line with the total. To read a record:
+
+    python tests/support/timings.py runs/test-durations/latest.json            # minutes by module and by kind
+    python tests/support/timings.py OLD.json NEW.json                          # the same, before and after
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+# The default tier's budget on a fresh clone (CI stops a run at 90 min; set-up comes on top). Printed, not
+# enforced: a slow machine is not a failing test. The calibration below says how slow the machine was.
+BUDGET_MIN = {"warm": 35.0, "cold": 45.0}
+KINDS = ("containers", "slurm", "tensorflow")  # a test's kind: the first of its markers found here, else "unit"
+
+
+def calibrate() -> float:
+    """Seconds a fixed single-core workload takes (pure Python and hashing): ~0.3 s on this project's 2-core
+    machines when idle. A run's times divided by it compare machines of different speeds."""
+    started = time.perf_counter()
+    total = 0
+    for i in range(3_000_000):
+        total += i * i % 7
+    digest = hashlib.sha256()
+    block = bytes(range(256)) * 4096
+    for _ in range(64):
+        digest.update(block)
+    return round(time.perf_counter() - started, 3)
+
+
+def kind_of(keywords) -> str:
+    return next((kind for kind in KINDS if kind in keywords), "unit")
+
+
+class Recorder:
+    """Collects the test reports in the process that sees them all (the xdist controller, or the only one)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.started = time.time()
+        self.calibration_s = calibrate()
+        self.tests: dict[str, dict] = {}
+        self.skipped: list[tuple[str, str]] = []
+
+    def add(self, report) -> None:
+        node = getattr(report, "node", None)  # xdist's controller: the worker that ran it
+        worker = node.gateway.id if node is not None else "main"
+        entry = self.tests.setdefault(report.nodeid, {"nodeid": report.nodeid, "worker": worker,
+                                                      "kind": kind_of(report.keywords), "outcome": "passed"})
+        entry[report.when] = round(report.duration, 3)
+        if report.failed:
+            entry["outcome"] = "failed"
+        elif report.skipped:
+            entry["outcome"] = "skipped"
+            reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.skipped.append((report.nodeid, reason.removeprefix("Skipped: ")))
+        if report.when == "teardown":
+            entry["stop"] = round(time.time() - self.started, 1)
+
+    def write(self, out_dir: Path, markexpr: str, seed) -> Path:
+        wall = time.time() - self.started
+        tests = sorted(self.tests.values(), key=lambda t: t["nodeid"])
+        record = {"meta": {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+                           "wall_s": round(wall, 1), "markexpr": markexpr, "randomly_seed": seed,
+                           "calibration_s": self.calibration_s, "budget_min": BUDGET_MIN,
+                           "workers": sorted({t["worker"] for t in tests}), "tests": len(tests),
+                           "not_run": [{"test": t, "reason": r} for t, r in self.skipped]},
+                  "tests": tests}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / time.strftime("%Y%m%dT%H%M%S.json", time.gmtime(self.started))
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        (out_dir / "latest.json").write_text(path.read_text())
+        return path
+
+
+def seconds(test: dict) -> float:
+    return test.get("setup", 0.0) + test.get("call", 0.0) + test.get("teardown", 0.0)
+
+
+def by(record: dict, key) -> dict[str, tuple[int, float]]:
+    """{group: (tests, minutes)} over the record's tests, grouped by ``key(test)``."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for test in record["tests"]:
+        groups[key(test)].append(seconds(test))
+    return {name: (len(times), sum(times) / 60) for name, times in groups.items()}
+
+
+def module(test: dict) -> str:
+    return test["nodeid"].split("::")[0].removeprefix("tests/")
+
+
+def table(records: list[dict], key, title: str) -> str:
+    """A Markdown table, one column pair (tests, minutes) per record, the largest rows first (of the last record)."""
+    groups = [by(record, key) for record in records]
+    names = sorted(set().union(*groups), key=lambda name: -groups[-1].get(name, (0, 0.0))[1])
+    head = f"| {title} | " + " | ".join("tests | min" for _ in records) + " |"
+    rule = "|---|" + "---:|---:|" * len(records)
+    rows = [f"| {name} | " + " | ".join(f"{g[name][0]} | {g[name][1]:.1f}" if name in g else "- | -" for g in groups) + " |"
+            for name in names]
+    totals = "| **all (test-minutes, both workers)** | " + " | ".join(
+        f"{sum(n for n, _ in g.values())} | {sum(m for _, m in g.values()):.1f}" for g in groups) + " |"
+    return "\n".join([head, rule, *rows, totals])
+
+
+def summary(record: dict) -> str:
+    meta = record["meta"]
+    return (f"{meta['started']}: {meta['tests']} tests in {meta['wall_s'] / 60:.1f} min on {len(meta['workers'])} workers "
+            f"(calibration {meta['calibration_s']} s)")
+
+
+def main(paths: list[str]) -> None:
+    records = [json.loads(Path(path).read_text()) for path in paths]
+    for path, record in zip(paths, records):
+        print(f"- {path}: {summary(record)}")
+    print()
+    print(table(records, module, "module"))
+    print()
+    print(table(records, lambda test: test["kind"], "kind"))
+    slowest = sorted(records[-1]["tests"], key=seconds, reverse=True)[:15]
+    print("\nslowest (last record):")
+    for test in slowest:
+        print(f"  {seconds(test):7.1f} s  {test['worker']}  {test['nodeid']}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python tests/support/timings.py RECORD.json [RECORD.json ...]")
+    main(sys.argv[1:])
