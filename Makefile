@@ -30,13 +30,14 @@ ifdef CUDA_BASE
 export CUDA_BASE
 endif
 IMAGE_TOOL := bash containers/images.sh
-# Test workers (pytest-xdist; one test file, or one parity class, per worker at a time, tests in a random order whose seed the
+# Test workers (pytest-xdist; one test file, or one parity class, per worker at a time, the longest first by
+# tests/scope_durations.json; tests in a random order whose seed the
 # run prints). PYTEST_WORKERS=0 runs in this process; PYTEST_ARGS adds options, e.g.
 #   make test PYTEST_ARGS="-k matrix"    make test PYTEST_ARGS="-p no:randomly"   (file order)
 #   make test PYTEST_ARGS="--randomly-seed=1234"                                   (an order again)
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
-PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope) \
+PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder) \
 	--durations=25 $(PYTEST_ARGS)
 
 .PHONY: help system-deps linked-venvs venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \

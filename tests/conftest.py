@@ -4,6 +4,7 @@ and data a user brings (made here, nothing downloaded). The helpers they use are
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import sys
@@ -32,6 +33,13 @@ def pytest_configure(config):
             os.environ[megatron_shim.RUN_DIR_ENV] = tempfile.mkdtemp(prefix="hpcml-test-run-")
         config.hpcml_timings = timings.Recorder(config)
         _recorders.append(config.hpcml_timings)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle, whose order inside each scope stays
+def pytest_collection_modifyitems(items):
+    """The longest test scopes first (tests/scope_durations.json; the Makefile passes --no-loadscope-reorder)."""
+    if timings.SCOPES.exists():
+        timings.longest_scopes_first(items, json.loads(timings.SCOPES.read_text()))
 
 
 def pytest_runtest_logreport(report):

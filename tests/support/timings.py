@@ -6,6 +6,10 @@ one line with the total. To read a record:
 
     python tests/support/timings.py runs/test-durations/latest.json            # minutes by module and by kind
     python tests/support/timings.py OLD.json NEW.json                          # the same, before and after
+    python tests/support/timings.py --write-scopes RECORD.json                 # tests/scope_durations.json
+
+The tests are scheduled longest scope first from tests/scope_durations.json (a whole default-tier run's record,
+committed so that a new machine schedules as well as an old one).
 """
 
 from __future__ import annotations
@@ -117,6 +121,29 @@ def summary(record: dict) -> str:
             f"(calibration {meta['calibration_s']} s)")
 
 
+SCOPES = Path(__file__).resolve().parents[1] / "scope_durations.json"
+UNKNOWN_SCOPE_S = 60.0  # a scope no record has timed yet (a new test file): scheduled as a middling one
+
+
+def scope_of(nodeid: str) -> str:
+    """pytest-xdist's --dist loadscope unit: the test's module, or its class (the parity table's references)."""
+    return nodeid.rsplit("::", 1)[0]
+
+
+def scope_seconds(record: dict) -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    for test in record["tests"]:
+        totals[scope_of(test["nodeid"])] += seconds(test)
+    return {scope: round(total, 1) for scope, total in sorted(totals.items())}
+
+
+def longest_scopes_first(items: list, durations: dict[str, float]) -> None:
+    """Orders ``items`` (pytest's, in place) by their scope's recorded seconds, longest first; the order inside
+    a scope is kept (pytest-randomly's). With --no-loadscope-reorder, xdist hands the scopes out in this
+    order: the longest start first, and no long one is left to run alone at the end."""
+    items.sort(key=lambda item: -durations.get(scope_of(item.nodeid), UNKNOWN_SCOPE_S))
+
+
 def main(paths: list[str]) -> None:
     records = [json.loads(Path(path).read_text()) for path in paths]
     for path, record in zip(paths, records):
@@ -132,6 +159,10 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python tests/support/timings.py RECORD.json [RECORD.json ...]")
-    main(sys.argv[1:])
+    if len(sys.argv) == 3 and sys.argv[1] == "--write-scopes":  # the scheduling order from a whole run's record
+        SCOPES.write_text(json.dumps(scope_seconds(json.loads(Path(sys.argv[2]).read_text())), indent=1) + "\n")
+        print(f"wrote {SCOPES}")
+    elif len(sys.argv) < 2:
+        sys.exit("usage: python tests/support/timings.py RECORD.json [RECORD.json ...] | --write-scopes RECORD.json")
+    else:
+        main(sys.argv[1:])
