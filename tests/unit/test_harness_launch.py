@@ -243,7 +243,10 @@ else:  # 1.5 s after rank 0 reached the group, whatever each one's imports took
     time.sleep(1.5)
 setup_torch_distributed(env, timeout_s=60)
 from harness.launch import _STARTUP
-print(json.dumps({{**startup_times(), "now": time.time(), "rank": env.rank, "reached_group_at": _STARTUP["group_started_at"]}}))
+# (one write with its newline: under PYTHONUNBUFFERED=1 print() writes them apart, and the two ranks' lines can run together)
+sys.stdout.write(json.dumps({{**startup_times(), "now": time.time(), "rank": env.rank,
+                              "reached_group_at": _STARTUP["group_started_at"]}}) + "\\n")
+sys.stdout.flush()
 torch.distributed.destroy_process_group()
 """)
     launched = time.time()
