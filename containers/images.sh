@@ -136,10 +136,13 @@ check_known() {
     done
 }
 
-# The commit the image is built from; "-dirty" when what goes into an image differs from it.
+# The commit the image's content comes from: the last one that changed what goes into an image (containers/ and
+# recipes/: the Containerfiles, their pins and scripts, the recipes copied in); "-dirty" when those differ from it.
+# Not HEAD: a commit of tests or docs alone builds the same image, which keeps its ID (and every squashed,
+# pulled or pushed copy of it stays valid) instead of being stamped anew.
 revision() {
     local commit
-    commit=$(git -C "$REPO_DIR" rev-parse --short=12 HEAD 2>/dev/null) || {
+    commit=$(git -C "$REPO_DIR" log -1 --format=%h --abbrev=12 -- containers recipes 2>/dev/null) && [[ -n $commit ]] || {
         echo unknown
         return
     }
