@@ -122,8 +122,12 @@ class ForkServer:
                 line = replies.readline()
             except TimeoutError:
                 line = b""
-            if not line:  # the time is up (or the server went): kill the ranks, as subprocess.run does
-                os.killpg(started["pgid"], signal.SIGKILL)
+            if not line:
+                try:  # the time is up (or the server went): kill the ranks, as subprocess.run does
+                    os.killpg(started["pgid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                assert time.monotonic() >= deadline - 1, f"the fork server went away: {self.log.read_text()[-3000:]}"
                 raise subprocess.TimeoutExpired(cmd, timeout, output=text(out), stderr=text(err))
             codes = json.loads(line)["exit"]
             stdout, stderr = text(out), text(err)
