@@ -282,7 +282,7 @@ hadolint: venv
 	$(VENV)/bin/hadolint containers/*/Containerfile
 
 shellcheck: venv
-	$(VENV)/bin/shellcheck -x slurm/*.sh slurm/lib/*.sh tests/cluster/*.sh tests/cluster/*/*.sh tests/cluster/shifter/shifter* containers/*.sh .ci/run
+	$(VENV)/bin/shellcheck -x slurm/*.sh slurm/lib/*.sh tests/cluster/*.sh tests/cluster/*/*.sh tests/cluster/shifter/shifter* containers/*.sh requirements/*.sh .ci/run
 
 cluster-start:
 	bash tests/cluster/local_slurm.sh start

@@ -8,6 +8,7 @@ from support.runs import REPO, run
 
 SCRIPTS = sorted(
     [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/lib/*.sh"), *REPO.glob("tests/**/*.sh"), *REPO.glob("containers/*.sh"),
+     *REPO.glob("requirements/*.sh"),
      *(REPO / "tests" / "cluster" / "shifter").glob("shifter*"), REPO / ".ci" / "run"]
 )
 
