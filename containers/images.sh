@@ -142,10 +142,11 @@ check_known() {
 # pulled or pushed copy of it stays valid) instead of being stamped anew.
 revision() {
     local commit
-    commit=$(git -C "$REPO_DIR" log -1 --format=%h --abbrev=12 -- containers recipes 2>/dev/null) && [[ -n $commit ]] || {
+    commit=$(git -C "$REPO_DIR" log -1 --format=%h --abbrev=12 -- containers recipes 2>/dev/null) || commit=""
+    if [[ -z $commit ]]; then
         echo unknown
         return
-    }
+    fi
     if [[ -n $(git -C "$REPO_DIR" status --porcelain -- containers recipes 2>/dev/null) ]]; then
         commit+=-dirty
     fi
