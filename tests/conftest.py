@@ -9,7 +9,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -28,11 +27,9 @@ def pytest_configure(config):
     """One directory per test run, shared by its workers (they inherit the environment), for what the tests
     record across workers (support/megatron_shim.py); in the process that sees every report, the recorder of
     each test's time (support/timings.py)."""
-    if not hasattr(config, "workerinput"):
-        if not os.environ.get(megatron_shim.RUN_DIR_ENV):
-            os.environ[megatron_shim.RUN_DIR_ENV] = tempfile.mkdtemp(prefix="hpcml-test-run-")
-        config.hpcml_timings = timings.Recorder(config)
-        _recorders.append(config.hpcml_timings)
+    if not hasattr(config, "workerinput") and not os.environ.get(megatron_shim.RUN_DIR_ENV):
+        os.environ[megatron_shim.RUN_DIR_ENV] = tempfile.mkdtemp(prefix="hpcml-test-run-")
+    timings.register(config, TIMINGS_DIR, REPO)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle, whose order inside each scope stays
@@ -40,30 +37,6 @@ def pytest_collection_modifyitems(items):
     """The longest test scopes first (tests/scope_durations.json; the Makefile passes --no-loadscope-reorder)."""
     if timings.SCOPES.exists():
         timings.longest_scopes_first(items, json.loads(timings.SCOPES.read_text()))
-
-
-def pytest_runtest_logreport(report):
-    if _recorders:
-        _recorders[0].add(report)
-
-
-_recorders: list[timings.Recorder] = []  # the controller's one recorder (none on a test worker)
-
-
-def pytest_terminal_summary(terminalreporter, config):
-    """The run's time against its budget, where the durations went, and, loudly, every test the tier did not run."""
-    recorder = getattr(config, "hpcml_timings", None)
-    if recorder is None or not recorder.tests:
-        return
-    path = recorder.write(TIMINGS_DIR, config.getoption("markexpr", ""), getattr(config.option, "randomly_seed", None))
-    wall_min = (time.time() - recorder.started) / 60
-    terminalreporter.write_line(
-        f"hpcml: {len(recorder.tests)} tests in {wall_min:.1f} min (the default tier's budget on a fresh clone: "
-        f"{timings.BUDGET_MIN['warm']:.0f} min warm, {timings.BUDGET_MIN['cold']:.0f} cold, set-up included); "
-        f"machine calibration {recorder.calibration_s} s; per test: {path.relative_to(REPO)} "
-        f"(python tests/support/timings.py {path.relative_to(REPO)})", bold=True)
-    for test, reason in recorder.skipped:
-        terminalreporter.write_line(f"NOT RUN: {test}: {reason}", red=True, bold=True)
 
 
 def pytest_sessionfinish(session):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -46,16 +47,18 @@ def kind_of(keywords) -> str:
 
 
 class Recorder:
-    """Collects the test reports in the process that sees them all (the xdist controller, or the only one)."""
+    """A pytest plugin, registered in the process that sees every report (the xdist controller, or the only
+    one): collects each test's durations and writes the record at the end. conftest.py registers it; with
+    `-p timings` (tests/support on the path) it registers itself, writing to $HPCML_TIMINGS_DIR."""
 
-    def __init__(self, config):
-        self.config = config
+    def __init__(self, out_dir: Path, root: Path):
+        self.out_dir, self.root = out_dir, root
         self.started = time.time()
         self.calibration_s = calibrate()
         self.tests: dict[str, dict] = {}
         self.skipped: list[tuple[str, str]] = []
 
-    def add(self, report) -> None:
+    def pytest_runtest_logreport(self, report) -> None:
         node = getattr(report, "node", None)  # xdist's controller: the worker that ran it
         worker = node.gateway.id if node is not None else "main"
         entry = self.tests.setdefault(report.nodeid, {"nodeid": report.nodeid, "worker": worker,
@@ -70,7 +73,20 @@ class Recorder:
         if report.when == "teardown":
             entry["stop"] = round(time.time() - self.started, 1)
 
-    def write(self, out_dir: Path, markexpr: str, seed) -> Path:
+    def pytest_terminal_summary(self, terminalreporter, config) -> None:
+        """The run's time against its budget, where the record is, and, loudly, every test it did not run."""
+        if not self.tests:
+            return
+        path = self.write(config.getoption("markexpr", ""), getattr(config.option, "randomly_seed", None))
+        shown = path.relative_to(self.root) if path.is_relative_to(self.root) else path
+        terminalreporter.write_line(
+            f"hpcml: {len(self.tests)} tests in {(time.time() - self.started) / 60:.1f} min (the default tier's budget on "
+            f"a fresh clone: {BUDGET_MIN['warm']:.0f} min warm, {BUDGET_MIN['cold']:.0f} cold, set-up included); machine "
+            f"calibration {self.calibration_s} s; per test: {shown} (python tests/support/timings.py {shown})", bold=True)
+        for test, reason in self.skipped:
+            terminalreporter.write_line(f"NOT RUN: {test}: {reason}", red=True, bold=True)
+
+    def write(self, markexpr: str, seed) -> Path:
         wall = time.time() - self.started
         tests = sorted(self.tests.values(), key=lambda t: t["nodeid"])
         record = {"meta": {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
@@ -79,11 +95,21 @@ class Recorder:
                            "workers": sorted({t["worker"] for t in tests}), "tests": len(tests),
                            "not_run": [{"test": t, "reason": r} for t, r in self.skipped]},
                   "tests": tests}
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / time.strftime("%Y%m%dT%H%M%S.json", time.gmtime(self.started))
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / time.strftime("%Y%m%dT%H%M%S.json", time.gmtime(self.started))
         path.write_text(json.dumps(record, indent=1) + "\n")
-        (out_dir / "latest.json").write_text(path.read_text())
+        (self.out_dir / "latest.json").write_text(path.read_text())
         return path
+
+
+def register(config, out_dir: Path, root: Path) -> None:
+    """The recorder, in the process that sees every report (not on an xdist worker)."""
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(Recorder(out_dir, root), "hpcml-timings")
+
+
+def pytest_configure(config):  # (when loaded as a plugin itself: `-p timings`)
+    register(config, Path(os.environ.get("HPCML_TIMINGS_DIR", "test-durations")), Path.cwd())
 
 
 def seconds(test: dict) -> float:
