@@ -236,7 +236,8 @@ def podman_hpc_migrate(user: ClusterUser, *images: str, flavor: str = "cpu") -> 
             assert listed.returncode == 0, f"podman-hpc images as {user.name}: {listed.stderr}"
             if re.search(rf"^(sha256:)?{image_id} {re.escape(name)} true$", listed.stdout, re.M):
                 continue
-            keep_parent_local(user, listed.stdout, flavor)
+            if image in ("ddp", "megatron", "deepspeed", "accelerate") or (image, flavor) == ("horovod", "cpu"):
+                keep_parent_local(user, listed.stdout, flavor)  # (the images built on hpcml/pytorch: images.sh parent_of)
             pipe_image_to_user(user, name, "podman-hpc", "load")
             for step in (["migrate", name], ["rmi", name]):
                 done = user.run(["podman-hpc", *step], timeout=900)
@@ -246,7 +247,7 @@ def podman_hpc_migrate(user: ClusterUser, *images: str, flavor: str = "cpu") -> 
 
 
 def keep_parent_local(user: ClusterUser, listed: str, flavor: str) -> None:
-    """Every image family is built on hpcml/pytorch: that parent stays in the user's local podman-hpc store (never
+    """The image families are built on hpcml/pytorch: that parent stays in the user's local podman-hpc store (never
     migrated, never run), so a family's `podman-hpc load` writes only its own layers instead of all of them
     again (50-118 s a family, against 20-30 s with the shared layers present), and its `rmi` after the migration
     leaves them. A rebuilt parent replaces the one kept."""
