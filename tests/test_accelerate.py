@@ -70,7 +70,7 @@ def test_an_accelerate_config_that_contradicts_the_allocation_is_refused(tmp_pat
     path = tmp_path / "accelerate.yaml"
     path.write_text(config)
     result = python(RECIPE, *TINY, "--out-dir", str(tmp_path / "run"), "--launch-config", str(path),
-                  "--preflight", "4", env=recipe_env(SLURM_JOB_NUM_NODES="2"), timeout=120)
+                    "--preflight", "4", env=recipe_env(SLURM_JOB_NUM_NODES="2"), timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[accelerate] error: "), result.stderr
     for fragment in fragments:
@@ -81,7 +81,7 @@ def test_an_accelerate_config_that_contradicts_the_allocation_is_refused(tmp_pat
 def test_the_shipped_configs_pass_the_check_for_any_layout():
     for world_size, nodes in ((1, 1), (4, 2), (8, 2)):
         result = python(RECIPE, *TINY, "--global-batch", "8", "--launch-config",
-                      str(MULTI_GPU_CONFIG), "--preflight", str(world_size),
-                     env=recipe_env(SLURM_JOB_NUM_NODES=str(nodes)), timeout=120)
+                        str(MULTI_GPU_CONFIG), "--preflight", str(world_size),
+                        env=recipe_env(SLURM_JOB_NUM_NODES=str(nodes)), timeout=120)
         assert_ok(result)
         assert f"options fit world size {world_size}" in result.stdout

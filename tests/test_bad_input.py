@@ -106,5 +106,5 @@ def test_a_path_of_the_wrong_kind_is_one_line(tmp_path, option):
 @pytest.mark.parametrize("world_size", ["0", "-1"])
 def test_a_world_size_below_one_is_refused_by_the_preflight(tmp_path, world_size):
     result = python(DDP_RECIPE, *TINY, "--out-dir", str(tmp_path), "--preflight", world_size,
-                 env=recipe_env(), timeout=60)
+                    env=recipe_env(), timeout=60)
     assert_one_line_error(result, f"the world size must be at least 1 rank, got {world_size}")

@@ -207,7 +207,7 @@ def test_data_naming_a_file_says_what_a_token_file_is_not_where_to_mount(corpus,
                           (Path(f"{corpus}.bin"), f"--data {corpus}.bin names one file of a token file: give the prefix "
                                                   f"of the three, --data {corpus}")):
         result = python(REPO / "recipes" / "ddp" / "train.py", "--out-dir", str(tmp_path / "run"),
-                      "--data", str(data), "--preflight", "2", env=recipe_env(**runtime), timeout=120)
+                        "--data", str(data), "--preflight", "2", env=recipe_env(**runtime), timeout=120)
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"[ddp] error: {message}"], result.stderr
 
 
@@ -253,7 +253,7 @@ def test_a_token_file_missing_inside_a_container_is_named_as_a_mount_problem(tmp
     runtime does not mount: the recipe's preflight says which mounts each runtime has."""
     prefix = tmp_path / "elsewhere" / "tokens"
     result = python(REPO / "recipes" / "ddp" / "train.py", "--out-dir", str(tmp_path / "run"),
-                  "--data", str(prefix), "--preflight", "2", env=recipe_env(SHIFTER_RUNTIME="1"), timeout=120)
+                    "--data", str(prefix), "--preflight", "2", env=recipe_env(SHIFTER_RUNTIME="1"), timeout=120)
     assert result.returncode == 2 and result.stderr.count("[ddp] error: ") == 1, result.stderr
     assert f"{prefix}.json does not exist in this shifter container" in result.stderr
     assert f'Shifter: $SCRATCH, $HOME; podman and podman-hpc: CONTAINER_MOUNTS="{prefix.parent}"' in result.stderr

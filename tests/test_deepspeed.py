@@ -57,7 +57,7 @@ def test_checkpoint_resume_reproduces_later_losses(zero2_adamw, tmp_path):
 
     # The shards fit ZeRO-2 on 2 ranks only: another stage is refused before any rank starts.
     refused = python(RECIPE, "--out-dir", str(tmp_path), "--zero-stage", "3", *ADAMW,
-                   "--preflight", "2", env=recipe_env(), timeout=120)
+                     "--preflight", "2", env=recipe_env(), timeout=120)
     assert_one_line_error(refused, "holds ZeRO-2 shards of 2 ranks; this run is ZeRO-3 on 2")
 
 
@@ -87,7 +87,7 @@ def ds_config_file(tmp_path, **changes) -> str:
 ])
 def test_bad_deepspeed_settings_are_refused_before_any_rank_starts(tmp_path, world_size, make_args, fragments):
     result = python(RECIPE, *TINY, "--out-dir", str(tmp_path / "run"), *make_args(tmp_path),
-                  "--preflight", str(world_size), env=recipe_env(), timeout=120)
+                    "--preflight", str(world_size), env=recipe_env(), timeout=120)
     assert_one_line_error(result, *fragments)
     assert not (tmp_path / "run").exists()
 
@@ -103,7 +103,7 @@ def test_a_truncated_shard_is_refused_before_any_rank_starts(tmp_path):
     with open(shard, "r+b") as file:
         file.truncate(size // 2)
     refused = python(RECIPE, "--out-dir", str(tmp_path), "--zero-stage", "2", *STEPS,
-                   "--preflight", "2", env=recipe_env(), timeout=120)
+                     "--preflight", "2", env=recipe_env(), timeout=120)
     assert_one_line_error(refused, f"the checkpoint {newest} is damaged: {shard.relative_to(newest)} has {size // 2} "
                           f"bytes where {size} were written; move {newest} away")
     newest.rename(tmp_path / "damaged-step-3")

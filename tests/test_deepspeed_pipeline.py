@@ -30,7 +30,7 @@ def test_resume_in_the_same_layout_matches_the_uninterrupted_run(tmp_path):
     assert "resumed from" in result.stdout and "(step 3)" in result.stdout
     assert losses(read_metrics(tmp_path / "resumed")) == losses(read_metrics(tmp_path / "straight"))
     other = python(RECIPE, "--out-dir", str(tmp_path / "resumed"), *adamw, "--max-steps", "8",
-                 "--pp", "4", "--preflight", "4", env=recipe_env(), timeout=120)  # what slurm/lib/launch.sh runs first
+                   "--pp", "4", "--preflight", "4", env=recipe_env(), timeout=120)  # what slurm/lib/launch.sh runs first
     assert other.returncode == 2 and "was written by 2 pipeline stage(s); this run has --pp 4" in other.stderr
 
 

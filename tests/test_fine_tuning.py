@@ -119,7 +119,7 @@ def test_a_fine_tuning_option_that_cannot_work_is_one_line_before_any_rank(case,
     for mode in modes:
         preflight = ["--preflight", str(world)] if mode == "preflight" else []
         result = python(recipe, "--out-dir", str(tmp_path / "run"), *args, "--max-steps", "1",
-                      *preflight, env=recipe_env(), timeout=120)
+                        *preflight, env=recipe_env(), timeout=120)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"[{recipe.parent.name}] error: "), \
             result.stderr

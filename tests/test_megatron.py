@@ -44,8 +44,8 @@ def assert_refused_by_every_rank(out_dir, nproc: int, *args: str, fragment: str)
     did not refuse would wait for the others at the rendezvous, and fail by the timeout instead."""
     for rank in range(nproc):
         result = python(RECIPE, "--out-dir", str(out_dir), *args, timeout=120,
-                     env=recipe_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                                    MASTER_PORT=str(free_port()), HPCML_EXPECTED_WORLD_SIZE=str(nproc)))
+                        env=recipe_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(free_port()), HPCML_EXPECTED_WORLD_SIZE=str(nproc)))
         errors = [line for line in result.stderr.splitlines() if line.startswith("[megatron_tp_pp] error: ")]
         assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], (rank, result.stderr)
         assert "Traceback" not in result.stderr, (rank, result.stderr)
@@ -156,7 +156,7 @@ def test_resume_refuses_another_model(tmp_path):
 
 def preflight(world_size: int, *args: str, **env):
     return python(RECIPE, "--preflight", str(world_size), "--out-dir", "/nonexistent/x", *args,
-               env=recipe_env(**env), timeout=120)
+                  env=recipe_env(**env), timeout=120)
 
 
 @pytest.mark.parametrize("world_size, args, fragment", [

@@ -49,7 +49,7 @@ def estimate(tmp_path, name: str, ranks: int, options: list[str], gpu: str = "a1
     """(exit code, stdout, the JSON report) of an estimate from one process for ``ranks`` ranks."""
     out = tmp_path / f"{name}.json"
     result = python(recipe_of(name), "--out-dir", str(tmp_path / "run"), *model, *options, "--estimate-memory", gpu,
-                  "--world", str(ranks), "--estimate-json", str(out), env=recipe_env(), timeout=300)
+                    "--world", str(ranks), "--estimate-json", str(out), env=recipe_env(), timeout=300)
     assert result.returncode in (0, 1), result.stderr[-3000:]
     return result.returncode, result.stdout, json.loads(out.read_text())
 

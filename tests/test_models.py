@@ -56,7 +56,7 @@ def test_the_log_says_what_it_can_of_your_model(tiny_llama, fields_file, tmp_pat
 
 def test_a_pipeline_of_a_hugging_face_model_is_refused_on_deepspeed(tiny_llama, tmp_path):
     result = python(REPO / "recipes" / "deepspeed" / "train.py", "--out-dir", str(tmp_path),
-                  "--model", f"hf:{tiny_llama}", *SHORT, "--pp", "2", "--preflight", "2", env=recipe_env(), timeout=120)
+                    "--model", f"hf:{tiny_llama}", *SHORT, "--pp", "2", "--preflight", "2", env=recipe_env(), timeout=120)
     assert result.returncode == 2 and "the pipeline splits the stack's GPT" in result.stderr, result.stderr
 
 
@@ -119,7 +119,7 @@ def test_the_exported_model_loads_and_gives_the_trained_models_logits(tiny_llama
     assert (ours - before).abs().max() > 1e-3
     # recipes/export_hf.py on the run directory (its newest checkpoint): the same model
     exported = python(EXPORT, str(tmp_path / "run"), "--out", str(tmp_path / "again"),
-                   env=recipe_env(), timeout=300)
+                      env=recipe_env(), timeout=300)
     assert_ok(exported)
     assert {"ddp": "the DDP recipe's checkpoint file", "accelerate": "accelerate's save_state"}[recipe] in exported.stdout
     with torch.no_grad():
@@ -177,7 +177,7 @@ def test_a_model_that_cannot_be_used_is_one_line_before_any_rank(tiny_llama, tmp
     # (the factory's result is known only once it is built: on each rank, before the first step)
     for preflight in ([] if case == "not-a-module" else [["--preflight", "2"]]) + [[]]:
         result = python(DDP_RECIPE, "--out-dir", str(tmp_path / "run"), "--model", model, *extra,
-                      "--max-steps", "1", *preflight, env=recipe_env(), timeout=120)
+                        "--max-steps", "1", *preflight, env=recipe_env(), timeout=120)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[ddp] error: --"), result.stderr
         assert message in lines[0], lines[0]

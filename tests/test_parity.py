@@ -234,7 +234,7 @@ def check_export(row: dict, out: Path, ref_dir: Path, request) -> None:
     untrained = Path(fixtures_for(row, request)["tiny_llama"])
     assert (logits(export) - logits(untrained)).abs().max() > 1e-3
     again = python(REPO / "recipes" / "export_hf.py", str(out / "run"), "--out", str(out / "again"),
-                env=recipe_env(), timeout=300)
+                   env=recipe_env(), timeout=300)
     assert_ok(again)
     assert ("LoRA rank 4" if "lora" in row.get("checks", []) else EXPORT_READS[row["recipe"]]) in again.stdout, again.stdout
     torch.testing.assert_close(logits(out / "again"), logits(export), rtol=0, atol=1e-6)

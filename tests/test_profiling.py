@@ -102,7 +102,7 @@ def test_the_data_loaders_share_of_the_step_is_measured(tmp_path):
 ])
 def test_a_profile_range_that_cannot_be_recorded_is_one_line(tmp_path, value, message):
     result = python(RECIPES / "ddp" / "train.py", "--out-dir", str(tmp_path), "--max-steps", "5",
-                  "--profile", value, "--preflight", "2", env=recipe_env(), timeout=120)
+                    "--profile", value, "--preflight", "2", env=recipe_env(), timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("[ddp] error: ") and message in lines[0], result.stderr
 

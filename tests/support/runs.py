@@ -148,10 +148,10 @@ def torchrun_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[
 
 
 def python(script: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300,
-           cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``python SCRIPT ARGS`` with this interpreter (forked, unless HPCML_TEST_LAUNCH=real)."""
+           cwd: Path | None = None, real: bool = False) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` with this interpreter (forked, unless ``real`` or HPCML_TEST_LAUNCH=real)."""
     env = recipe_env() if env is None else env
-    if FORK:
+    if FORK and not real:
         return ForkServer.get().run(script, list(args), [env], timeout, cwd)
     return run([sys.executable, str(script), *args], env=env, timeout=timeout, cwd=cwd, stdin=subprocess.DEVNULL)
 
@@ -189,9 +189,7 @@ def run_recipe(recipe: Path, out_dir: Path, nproc: int, *args: str, timeout: flo
     """``recipe`` as one plain process (nproc 1) or under torchrun with ``nproc`` ranks on this machine (forked
     unless ``real``)."""
     if nproc == 1:
-        if real:
-            return run([sys.executable, str(recipe), "--out-dir", str(out_dir), *args], env=recipe_env(**env), timeout=timeout)
-        return python(recipe, "--out-dir", str(out_dir), *args, env=recipe_env(**env), timeout=timeout)
+        return python(recipe, "--out-dir", str(out_dir), *args, env=recipe_env(**env), timeout=timeout, real=real)
     return torchrun(recipe, nproc, "--out-dir", str(out_dir), *args, env=recipe_env(**env), timeout=timeout, real=real)
 
 
