@@ -170,6 +170,33 @@ def test_framework_imports_and_every_recipe_starts(images, image):
         assert usage.startswith("usage: train.py"), usage[:400]
 
 
+@pytest.mark.parametrize("image", [image for image in IMAGES if image == "ddp"])
+def test_compile_is_refused_in_one_line_where_the_image_has_no_compiler(images, image):
+    """torch.compile (Inductor's C++ backend on the CPU, Triton on a GPU) builds kernels with a compiler and
+    Python's headers at run time; the images carry neither (a compiler and headers add ~250 MB to each), so
+    --compile is one line and exit 2 in the preflight, not a failure deep in the first step."""
+    result = podman("run", "--rm", f"hpcml/{image}:{FLAVOR}", "python", "/opt/hpcml/recipes/ddp/train.py", "--compile",
+                    "--preflight", "1")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines()[-1].startswith("[ddp] error: --compile builds torch.compile's kernels at run time "
+                                                     "and needs a C++ compiler"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# What the site's network stack, injected at run time by Shifter's and podman-hpc's plugin modules, needs from the
+# image's loader: libfabric before 2.2 links its CXI provider against libcurl and json-c (v1.22
+# prov/cxi/configure.m4), HPE's libcxi libnl, builds of the plugin and libfabric libatomic.
+NETWORK_STACK_LIBRARIES = ["libcurl.so.4", "libjson-c.so.5", "libnl-3.so.200", "libnl-route-3.so.200", "libatomic.so.1"]
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_the_loader_finds_what_the_sites_network_plugin_needs(images, image):
+    """(On Perlmutter, `ldd` on the plugin and libfabric in the image settles it: docs/gpu-checks.md.)"""
+    cached = in_image(image, "/sbin/ldconfig -p")
+    missing = [name for name in NETWORK_STACK_LIBRARIES if f"{name} (" not in cached]
+    assert not missing, f"hpcml/{image}:{FLAVOR}'s loader does not find {missing}"
+
+
 @pytest.mark.parametrize("image", IMAGES)
 def test_no_nccl_setting_in_the_images_environment(images, image):
     """The launcher (slurm/lib/launch.sh) and the site's modules choose NCCL's network plugin and transport
