@@ -58,8 +58,8 @@ def main() -> int:
     if args.preflight is not None:
         if args.preflight < 2:
             raise harness.ConfigError(f"an all-reduce check needs at least 2 ranks, the job has {args.preflight}")
-        print(f"[{NAME}] preflight: {args.preflight} ranks, {args.min_bytes} to {args.max_bytes}", flush=True)
-        return 0
+        # (in the image with the job's modules: the network plugin is opened here too, harness/image_checks.py)
+        return harness.preflight_line(NAME, f"{args.preflight} ranks, {args.min_bytes} to {args.max_bytes}", None)
 
     env = harness.detect_dist_env()
     if env.world_size < 2:

@@ -24,7 +24,7 @@
 #SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
-#SBATCH --module=gpu,nccl-plugin
+#SBATCH --module=gpu,nccl-cu13-plugin
 
 set -euo pipefail
 [[ -f ${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh ]] || { echo "launch: error: no slurm/lib/launch.sh in" \

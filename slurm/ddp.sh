@@ -26,7 +26,7 @@
 #SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
-#SBATCH --module=gpu,nccl-plugin
+#SBATCH --module=gpu,nccl-cu13-plugin
 
 set -euo pipefail
 # sbatch runs a copy of this file from Slurm's spool directory, so find the repository from the

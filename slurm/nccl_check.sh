@@ -14,7 +14,7 @@
 #SBATCH --cpus-per-task=32
 #SBATCH -t 00:10:00
 #SBATCH -o %x-%j.out
-#SBATCH --module=gpu,nccl-plugin
+#SBATCH --module=gpu,nccl-cu13-plugin
 
 set -euo pipefail
 [[ -f ${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/lib/launch.sh ]] || { echo "launch: error: no slurm/lib/launch.sh in" \

@@ -7,20 +7,22 @@
 #   slurm/preflight.sh -N 4 -n 4 slurm/ddp.sh --global-batch 96  # nodes, tasks per node (and -g GPUs per node)
 #   CONTAINER_RUNTIME=podman-hpc slurm/preflight.sh slurm/ddp.sh
 #   slurm/preflight.sh -i docker:REPO/NAME:TAG slurm/ddp.sh     # as 'sbatch --image=docker:...' (Shifter)
+#   slurm/preflight.sh -m gpu,nccl-cu13-plugin slurm/ddp.sh      # as 'sbatch --module=...' (Shifter)
 #
 # Run it from the repository root, with the environment you would submit with. Exit 0: the job would
 # start its ranks; exit 2: one line says what to change.
 set -euo pipefail
 
 usage() {
-    sed -n '2,10s/^# \{0,1\}//p' "$0" >&2
+    sed -n '2,11s/^# \{0,1\}//p' "$0" >&2
     exit 2
 }
 
-nodes="" tasks="" gpus="" image=""
-while getopts "N:n:g:i:h" option; do
+nodes="" tasks="" gpus="" image="" module=""
+while getopts "N:n:g:i:m:h" option; do
     case $option in
     i) image=$OPTARG ;;
+    m) module=$OPTARG ;;
     N) nodes=$OPTARG ;;
     n) tasks=$OPTARG ;;
     g) gpus=$OPTARG ;;
@@ -50,7 +52,7 @@ done
 export SLURM_JOB_ID=0 SLURM_SUBMIT_DIR=$PWD SLURM_JOB_NUM_NODES=$nodes SLURM_NNODES=$nodes
 export SLURM_NTASKS=$((nodes * tasks)) SLURM_NTASKS_PER_NODE=$tasks SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-$(hostname)}
 [[ -z $gpus ]] || export SLURM_GPUS_PER_NODE=$gpus
-image=${image:-$(directive '--image')} module=$(directive '--module')
+image=${image:-$(directive '--image')} module=${module:-$(directive '--module')}
 [[ -z $module ]] || export SLURM_SPANK_SHIFTER_MODULE=$module
 # A Shifter image as the job would get it: Shifter's SPANK plugin resolves the name at submission and hands
 # the job the image's ID with type "id" (a bare `shifter` takes an image from the environment only when

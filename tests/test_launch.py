@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -54,10 +55,10 @@ def test_shifter_runs_the_jobs_image_by_its_id():
     """`sbatch --image=docker:NAME` reaches the job as Shifter's SPANK plugin hands it over: the image's ID,
     type "id". A bare `shifter` takes that from the environment; nothing looks the ID up as a name."""
     result = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", SLURM_SPANK_SHIFTER_IMAGE=IMAGE_ID,
-                    SLURM_SPANK_SHIFTER_IMAGETYPE="id", SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin")
+                    SLURM_SPANK_SHIFTER_IMAGETYPE="id", SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-cu13-plugin")
     assert result.returncode == 0, result.stderr
     words = without_settings(srun_line(result))
-    assert words[:6] == ["srun", "--label", "--kill-on-bad-exit=1", "shifter", "--module=gpu,nccl-plugin", "python3"]
+    assert words[:6] == ["srun", "--label", "--kill-on-bad-exit=1", "shifter", "--module=gpu,nccl-cu13-plugin", "python3"]
     assert f"image=id:{IMAGE_ID} (from the job's --image)" in result.stdout
 
 
@@ -102,8 +103,8 @@ def test_no_sbatch_file_names_a_shifter_image():
 
 def test_shifter_explicit_image_and_modules():
     result = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="docker:me/ddp:v1",
-                    SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin")
-    assert srun_line(result)[3:6] == ["shifter", "--image=docker:me/ddp:v1", "--module=gpu,nccl-plugin"]
+                    SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-cu13-plugin")
+    assert srun_line(result)[3:6] == ["shifter", "--image=docker:me/ddp:v1", "--module=gpu,nccl-cu13-plugin"]
     without_modules = launch(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1")
     assert without_modules.returncode == 0, without_modules.stderr
     assert without_settings(srun_line(without_modules))[3:6] == ["shifter", "--image=docker:me/ddp:v1", "python3"]
@@ -122,8 +123,7 @@ def shifter_settings(words: list[str]) -> dict[str, str]:
 # file, the Flight Recorder, the image's own packages, and torch.compile's cache on node-local disk.
 LAUNCHER_SETTINGS = {
     "FI_MR_CACHE_MONITOR": "userfaultfd", "FI_CXI_DISABLE_HOST_REGISTER": "1", "FI_CXI_DEFAULT_CQ_SIZE": "131072",
-    "FI_CXI_RX_MATCH_MODE": "hybrid", "FI_CXI_RDZV_THRESHOLD": "0", "FI_CXI_RDZV_GET_MIN": "0",
-    "FI_CXI_RDZV_EAGER_SIZE": "0", "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_SOCKET_IFNAME": "hsn", "NCCL_CROSS_NIC": "1",
+    "FI_CXI_RX_MATCH_MODE": "hybrid", "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_SOCKET_IFNAME": "hsn", "NCCL_CROSS_NIC": "1",
     "NCCL_NET": "AWS Libfabric", "NCCL_NET_PLUGIN": "libnccl-net.so", "NCCL_DEBUG": "WARN",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_BUFFER_SIZE": "2000",
     "PYTHONNOUSERSITE": "1", "TRITON_CACHE_DIR": f"/tmp/triton-{os.getuid()}",
@@ -143,7 +143,9 @@ def test_the_launchers_settings_are_named_in_the_shifter_command(tmp_path):
                 "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "run" / "flight_recorder" / "rank_")}
     assert {name: settings.get(name) for name in expected} == expected
     assert "PYTHONPATH" not in settings and "PYTHONUSERBASE" not in settings
-    assert "NCCL_NET=AWS Libfabric NCCL_NET_PLUGIN=libnccl-net.so NCCL_DEBUG=INFO" in result.stdout
+    assert "NCCL_NET=AWS Libfabric NCCL_NET_PLUGIN=libnccl-net.so (module none) NCCL_DEBUG=INFO" in result.stdout
+    # HPE's rendezvous settings for GH200 are not Perlmutter's A100 nodes': the site's values stay
+    assert not any(name.startswith("FI_CXI_RDZV") for name in settings), settings
     asked = launch(**job, PYTHONPATH="/home/me/lib", CONTAINER_PYTHONPATH="/global/common/software/me/lib")
     assert shifter_settings(srun_line(asked))["PYTHONPATH"] == "/global/common/software/me/lib"
     # Shifter refuses --env=NAME= ("Improperly formatted environment variable"): an empty one stays out
@@ -264,7 +266,9 @@ def test_podman_hpc_command():
     words = srun_line(result)
     # (podman-hpc's default, --log-level=fatal, would hide why a container did not start)
     assert words[3:9] == ["podman-hpc", "--log-level=error", "run", "--rm", "--network=host", "--ipc=host"]
-    assert "--gpu" in words and "--nccl" in words
+    # The network plugin's flag follows the image's CUDA major: the PyTorch family's image is CUDA 13 (the
+    # dry run reads no label: the family's), the horovod image NGC's CUDA 12 (test_the_network_plugin_...).
+    assert "--gpu" in words and "--nccl-cu13" in words and "--nccl" not in words
     # Rootless: uid 0 inside is the submitting user outside (the image's USER 10001 would be a subordinate
     # uid that can write nothing of theirs and read no squashed image; the podman-hpc matrix cells run it).
     assert words[words.index("--user") + 1] == "0:0"
@@ -325,9 +329,52 @@ def test_outside_a_job():
 def test_shifter_gpu_job_needs_the_nccl_plugin_module_when_nccl_net_names_it():
     gpu_job = dict(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1", SLURM_GPUS_PER_NODE="4")
     error = one_line_error(launch(**gpu_job, SLURM_SPANK_SHIFTER_MODULE="gpu"))
-    assert "needs Shifter's nccl-plugin module: add '#SBATCH --module=gpu,nccl-plugin'" in error
-    assert launch(**gpu_job, SLURM_SPANK_SHIFTER_MODULE="gpu,nccl-plugin").returncode == 0
+    assert ("needs Shifter's network plugin module: add '#SBATCH --module=gpu,nccl-cu13-plugin' (the ddp image's "
+            "CUDA 13 build)") in error, error
+    for module in ("gpu,nccl-cu13-plugin", "gpu,nccl-plugin"):  # (which build loads, the recipe's preflight says)
+        result = launch(**gpu_job, SLURM_SPANK_SHIFTER_MODULE=module)
+        assert result.returncode == 0 and f"(module {module.split(',')[1]})" in result.stdout, result.stderr
     assert launch(**gpu_job, SLURM_SPANK_SHIFTER_MODULE="gpu", NCCL_NET="").returncode == 0  # TCP allowed on purpose
+    # A site whose modules are named otherwise
+    assert launch(**gpu_job, SLURM_SPANK_SHIFTER_MODULE="gpu,ofi-nccl", HPCML_NCCL_MODULE="ofi-nccl").returncode == 0
+
+
+def test_the_network_plugin_follows_the_images_cuda_major_and_can_be_named():
+    """NERSC builds the plugin once per CUDA major: podman-hpc gets the flag of the image's major (the PyTorch
+    family's cuda image is CUDA 13, the horovod image NGC's CUDA 12), or the one HPCML_NCCL_MODULE names."""
+    def podman_hpc_flags(recipe: str, **env: str) -> list[str]:
+        script = (f'set -euo pipefail; source "{REPO}/slurm/lib/launch.sh"; launch_recipe {recipe}')
+        result = run(["bash", "-c", script], env=recipe_env(**{**JOB, "CONTAINER_RUNTIME": "podman-hpc",
+                     "LAUNCH_DRY_RUN": "1", "CONTAINER_IMAGE": "me/image:v1", **env}), timeout=60, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        return [word for word in srun_line(result) if word.startswith("--nccl")]
+
+    assert podman_hpc_flags("recipes/ddp/train.py") == ["--nccl-cu13"]
+    assert podman_hpc_flags("recipes/horovod/train.py") == ["--nccl"]
+    assert podman_hpc_flags("recipes/ddp/train.py", HPCML_NCCL_MODULE="nccl") == ["--nccl"]
+
+
+def test_network_devices_are_the_slingshot_nics_and_gdrcopys(tmp_path):
+    """podman-hpc gets /dev/cxi* and /dev/gdrdrv where they exist (NERSC's gpu module does not pass gdrdrv);
+    HPCML_CXI_DEVICES= (empty) passes none (test_podman_takes_the_launchers_settings_...)."""
+    for name in ("cxi0", "cxi1", "gdrdrv"):
+        os.mknod(tmp_path / name, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    (tmp_path / "cxi_not_a_device").write_text("")
+    listed = run(["bash", "-c", f'source "{REPO}/slurm/lib/runtime.sh"; network_devices "{tmp_path}"'])
+    assert listed.stdout.split() == [str(tmp_path / name) for name in ("cxi0", "cxi1", "gdrdrv")], listed.stderr
+
+
+def test_gh200_slingshot_settings_are_an_explicit_choice():
+    """HPE's April 2026 rendezvous settings (for a GDRCopy corruption on GH200) with the srun option they need;
+    not on A100 nodes (Perlmutter's), where NERSC's own values stay. Another value is one line."""
+    job = dict(CONTAINER_RUNTIME="shifter", LAUNCH_DRY_RUN="1", CONTAINER_IMAGE="me/ddp:v1")
+    words = srun_line(launch(**job, HPCML_SLINGSHOT="gh200"))
+    assert {name: value for name, value in shifter_settings(words).items() if name.startswith("FI_CXI_RDZV")} == {
+        "FI_CXI_RDZV_THRESHOLD": "0", "FI_CXI_RDZV_GET_MIN": "0", "FI_CXI_RDZV_EAGER_SIZE": "0",
+        "FI_CXI_RDZV_PROTO": "alt_read"}
+    assert words[:4] == ["srun", "--label", "--kill-on-bad-exit=1", "--network=disable_rdzv_get"], words
+    error = one_line_error(launch(**job, HPCML_SLINGSHOT="a100"))
+    assert "HPCML_SLINGSHOT=a100 is not a node type with its own Slingshot settings: use gh200" in error
 
 
 def sbatch_file(name: str, *recipe_args: str, **env: str):

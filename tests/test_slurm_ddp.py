@@ -64,7 +64,7 @@ def test_a_batch_file_runs_by_hand_in_an_interactive_allocation(slurm_cluster, t
 
 def test_a_cluster_without_shifter_takes_the_batch_files_through_submit_sh(slurm_cluster, tmp_path):
     """Another Slurm cluster: the same controller and nodes seen through a slurm.conf without Shifter's SPANK
-    plugin. sbatch refuses the file's `#SBATCH --module=gpu,nccl-plugin` there (the defect a user of any other
+    plugin. sbatch refuses the file's `#SBATCH --module=gpu,nccl-cu13-plugin` there (the defect a user of any other
     cluster meets first); slurm/submit.sh submits it without the Shifter-only lines, and the job trains."""
     etc = tmp_path / "etc"
     etc.mkdir()
@@ -78,7 +78,7 @@ def test_a_cluster_without_shifter_takes_the_batch_files_through_submit_sh(slurm
                            "RUN_DIR": str(tmp_path / "run")})
     options = ["--parsable", "--wait", "-t", "5", "-N", "2", "--ntasks-per-node", "1", "-o", str(tmp_path / "%x-%j.out")]
     refused = run(["sbatch", *options, "slurm/ddp.sh", *RECIPE_ARGS], env=env, cwd=REPO, timeout=60)
-    assert refused.returncode != 0 and "unrecognized option '--module=gpu,nccl-plugin'" in refused.stderr, refused.stderr
+    assert refused.returncode != 0 and "unrecognized option '--module=gpu,nccl-cu13-plugin'" in refused.stderr, refused.stderr
     submitted = run(["slurm/submit.sh", *options, "slurm/ddp.sh", *RECIPE_ARGS], env=env, cwd=REPO, timeout=420)
     assert "goes without its #SBATCH --image/--module lines" in submitted.stderr, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
@@ -114,10 +114,17 @@ IMAGE_SETTINGS = {"NCCL_NET_PLUGIN": "aws-ofi", "NCCL_DEBUG": "INFO", "FI_CXI_RX
 
 @pytest.fixture(scope="module")
 def image_with_its_own_settings(ddp_image, tmp_path_factory) -> str:
-    """The ddp image with IMAGE_SETTINGS in its ENV (a layer of metadata: seconds)."""
+    """The ddp image as a CUDA 13 image stands to the site's network plugin, seconds to build: IMAGE_SETTINGS in
+    its ENV, a CUDA 13 runtime on its loader's path (the stub the stand-in plugin links; the cuda image's is
+    torch's nvidia-cuda-runtime wheel) and the label containers/images.sh stamps on a CUDA 13 image."""
     context = tmp_path_factory.mktemp("image-settings")
+    built = run(["bash", str(REPO / "tests/cluster/nccl_net_plugin/build.sh"), "13", str(context / "module"), str(context)])
+    assert built.returncode == 0, built.stderr
+    multiarch = run(["gcc", "-print-multiarch"]).stdout.strip()
     settings = " ".join(f"{name}={value}" for name, value in IMAGE_SETTINGS.items())
-    (context / "Containerfile").write_text(f"FROM localhost/hpcml/ddp:cpu\nENV {settings}\n")
+    (context / "Containerfile").write_text(f"FROM localhost/hpcml/ddp:cpu\nENV {settings}\n"
+                                           f"COPY libcudart.so.13 /usr/lib/{multiarch}/\n"
+                                           'LABEL io.hpcml.version.cuda="13.0"\n')
     built = run(["podman", "build", "-q", "-t", "localhost/hpcml/ddp-settings:cpu", str(context)], env=container_env(),
                 timeout=300)
     assert built.returncode == 0, built.stderr
@@ -164,10 +171,53 @@ def test_the_launchers_settings_and_the_images_packages_win_in_the_container(slu
     recorded = json.loads((work / "run" / "metrics.json").read_text())["network_settings"]
     assert {name: recorded.get(name) for name in IMAGE_SETTINGS} == launchers
     assert recorded["NCCL_NET"] == "AWS Libfabric"  # (2 nodes)
+    # The module of the image's CUDA major (Shifter: the file's #SBATCH line; podman-hpc: from the image's label),
+    # opened in the image by the preflight, once, before any rank
+    module = "Shifter's nccl-cu13-plugin module" if runtime == "shifter" else "podman-hpc's --nccl-cu13"
+    where = "nccl-cu13-plugin" if runtime == "shifter" else "nccl-cu13"
+    assert log.count(f"[ddp] preflight: network plugin /opt/udiImage/modules/{where}/lib/libnccl-net.so loads "
+                     f"({module}, CUDA 13 image)\n") == 1, log
+    if runtime == "podman-hpc":  # the launcher read the label from the squashed store (a cpu image: none)
+        script = 'source slurm/lib/launch.sh; for i in "$@"; do echo "[$(labelled_cuda_major podman-hpc "$i")]"; done'
+        majors = user.run(["bash", "-c", script, "-", f"hpcml/{image}:cpu", "hpcml/ddp:cpu"], timeout=60)
+        assert majors.stdout.split() == ["[13]", "[]"], majors.stdout + majors.stderr
     if runtime == "shifter":
         srun = next(line for line in log.splitlines() if line.startswith("launch: srun "))
         assert re.search(r" --image=id:[0-9a-f]{64} ", srun) and "--image=docker:" not in srun, srun
         assert re.search(rf"image=docker:hpcml/{image}:cpu id:[0-9a-f]{{64}} \(from CONTAINER_IMAGE\)", log), log
+
+
+@pytest.mark.containers
+@pytest.mark.parametrize("runtime", ["shifter", "podman-hpc"])
+def test_the_network_plugin_of_another_cuda_major_stops_the_job_before_any_rank(slurm_cluster, image_with_its_own_settings,
+                                                                                 request, tmp_path, runtime):
+    """NERSC's CUDA 12 build of the network plugin in a CUDA 13 image (Shifter's nccl-plugin module, podman-hpc's
+    --nccl): it links libcudart.so.12, which the image lacks, and NCCL would stop at start-up on 2+ nodes. The
+    preflight opens it in the image with the job's modules: one line with the loader's reason and the module to
+    use, exit 2, no rank started. slurm/preflight.sh says the same on the login node, without a job."""
+    image = image_with_its_own_settings
+    if runtime == "shifter":
+        shifter_pull(image)
+        user = request.getfixturevalue("cluster_user")
+        options, env, use = ["--module=gpu,nccl-plugin"], {}, "submit with '#SBATCH --module=gpu,nccl-cu13-plugin'"
+    else:
+        user = request.getfixturevalue("squashed_images")(image)
+        options, env, use = [], {"HPCML_NCCL_MODULE": "nccl"}, "set HPCML_NCCL_MODULE=nccl-cu13 (podman-hpc --nccl-cu13)"
+    work = user.work_dir(tmp_path)
+    code, state, log = sbatch_recipe(slurm_cluster, work, "ddp", "-N", "2", "--ntasks-per-node", "1", *options, user=user,
+                                     recipe_args=RECIPE_ARGS, CONTAINER_RUNTIME=runtime,
+                                     CONTAINER_IMAGE=f"hpcml/{image}:cpu", **env)
+    assert (code, state) == (2, "FAILED"), log
+    errors = [line for line in log.splitlines() if "error:" in line]
+    module = "Shifter's nccl-plugin module" if runtime == "shifter" else "podman-hpc's --nccl"
+    assert errors == [f"[ddp] error: NCCL_NET='AWS Libfabric' but the network plugin of {module} does not load in this "
+                      f"CUDA 13 image: libcudart.so.12: cannot open shared object file: No such file or directory; {use}"], log
+    assert not re.search(r"^ *\d+: ", log, re.M) and "Traceback" not in log, log  # no rank said a word
+    if runtime == "shifter":
+        checked = user.run(["bash", "slurm/preflight.sh", "-m", "gpu,nccl-plugin", "-i", f"docker:hpcml/{image}:cpu",
+                            "slurm/ddp.sh", *RECIPE_ARGS], env={"CONTAINER_RUNTIME": "shifter"}, timeout=300)
+        assert checked.returncode == 2, checked.stdout + checked.stderr
+        assert checked.stderr.strip().splitlines()[-1] == errors[0], checked.stderr
 
 
 def unattributable_lines(log: str, world_size: int) -> list[str]:

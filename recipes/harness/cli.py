@@ -19,8 +19,9 @@ from typing import Callable
 
 from .data import check_data_option, user_dataset
 from .errors import ConfigError, stderr_line
+from .image_checks import check_compiler, check_network_plugin
 from .launch import (check_gpus_visible, check_ranks_per_gpu, exit_after_leaving_the_group, exit_on_collective_failure,
-                     failed_collective_rank)
+                     failed_collective_rank, slurm_gave_gpus)
 from .metrics import check_tensorboard_writer, tensorboard_dir
 from .tracking import check_trackers_installed, parse_trackers
 from .profiling import profile_steps
@@ -248,13 +249,21 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
     check_trackers_installed([name for name in trackers if name != "tensorboard"])
     if tensorboard_dir(args) is not None and framework == "torch":
         check_tensorboard_writer()
+    if getattr(args, "compile", False):
+        import torch
+
+        check_compiler("cuda" if torch.version.cuda and (torch.cuda.is_available() or slurm_gave_gpus()) else "cpu")
     check_ranks_per_gpu()
     # slurm/preflight.sh (job id 0) runs on a login node, which may have no GPU: there, the build only.
     check_gpus_visible(framework, build_only=args.preflight is not None and os.environ.get("SLURM_JOB_ID") == "0")
 
 
 def preflight_line(recipe: str, summary: str, resume_from: Path | None) -> int:
-    """What ``--preflight`` prints when the options are fine (slurm/lib/launch.sh shows it); exit code 0."""
+    """What ``--preflight`` prints when the options are fine (slurm/lib/launch.sh shows it); exit code 0. It runs
+    in the image with the job's modules, once per job: the network plugin is opened here (image_checks.py)."""
+    plugin = check_network_plugin()
+    if plugin:
+        print(f"[{recipe}] preflight: {plugin}", flush=True)
     print(f"[{recipe}] preflight: {summary}" + (f"; will resume from {resume_from}" if resume_from else ""), flush=True)
     return 0
 

@@ -220,7 +220,7 @@ def check_gpus_visible(framework: str = "torch", build_only: bool = False, envir
     if os.path.exists("/run/.containerenv"):
         cause = "the podman container has no GPU devices: podman-hpc needs --gpu, podman --device nvidia.com/gpu=all"
     elif env.get("SHIFTER_RUNTIME"):
-        cause = "Shifter needs the gpu module: #SBATCH --module=gpu,nccl-plugin"
+        cause = "Shifter needs the gpu module: add gpu to '#SBATCH --module' (e.g. --module=gpu,nccl-cu13-plugin)"
     else:
         cause = "check nvidia-smi on the node"
     raise ConfigError(f"Slurm gave this job GPUs ({given}) but this rank sees none ({cuda_error}; "

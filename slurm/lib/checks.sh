@@ -5,7 +5,7 @@
 
 # One line per check, before any rank starts: the allocation, the network plugin, the directories.
 check_allocation() {
-    local runtime=$1
+    local runtime=$1 recipe=$2
     if [[ -n ${MASTER_PORT:-} ]] && ! [[ $MASTER_PORT =~ ^[0-9]+$ && $MASTER_PORT -ge 1024 && $MASTER_PORT -le 65535 ]]; then
         launch_error "MASTER_PORT=$MASTER_PORT is not a port number between 1024 and 65535: unset it (one is derived from the job id)"
     fi
@@ -25,9 +25,12 @@ check_allocation() {
     if [[ -n ${NCCL_NET:-} && ($gpus =~ ^[1-9] || -n ${SLURM_GPUS_ON_NODE:-}) ]]; then
         case $runtime in
         shifter)
-            [[ ,${SLURM_SPANK_SHIFTER_MODULE:-}, == *,nccl-plugin,* ]] || launch_error \
-                "NCCL_NET='$NCCL_NET' needs Shifter's nccl-plugin module: add '#SBATCH --module=gpu,nccl-plugin'" \
-                "(or set NCCL_NET= to let NCCL use TCP)"
+            # (Which build the image can load, the recipe's preflight says: it opens the plugin in the image.)
+            local module
+            module=$(nccl_plugin_module shifter "$(family_cuda_major "$recipe")")
+            [[ -n ${HPCML_NCCL_MODULE_LOADED:-} ]] || launch_error \
+                "NCCL_NET='$NCCL_NET' needs Shifter's network plugin module: add '#SBATCH --module=gpu,$module'" \
+                "(the $(image_family "$recipe") image's CUDA $(family_cuda_major "$recipe") build), or set NCCL_NET= to let NCCL use TCP"
             ;;
         none)
             if command -v nvidia-smi >/dev/null 2>&1 && ! find_on_library_path 'libnccl-net*.so*'; then

@@ -36,8 +36,14 @@
 #                      image, or a container without its GPUs, would train at CPU speed and exit 0)
 #   CONTAINER_PYTHONPATH  PYTHONPATH inside the container. The host's PYTHONPATH and PYTHONUSERBASE are not
 #                      passed in (they would shadow the image's packages); PYTHONNOUSERSITE=1 is.
-#   HPCML_CXI_DEVICES  the Slingshot NIC devices given to podman-hpc containers (default: /dev/cxi* of the
-#                      node; empty: none)
+#   HPCML_CXI_DEVICES  the network devices given to podman-hpc containers (default: the node's Slingshot NICs,
+#                      /dev/cxi*, and GDRCopy's /dev/gdrdrv, where they exist; empty: none)
+#   HPCML_NCCL_MODULE  the site's network plugin module for this job's image (default: NERSC's build for the
+#                      image's CUDA major: Shifter nccl-cu13-plugin or nccl-plugin, podman-hpc --nccl-cu13 or
+#                      --nccl). The recipe's preflight opens the plugin in the image, with the job's modules, and
+#                      refuses the job in one line when it does not load
+#   HPCML_SLINGSHOT=gh200  HPE's rendezvous settings for GH200 nodes (FI_CXI_RDZV_*, srun
+#                      --network=disable_rdzv_get); unset on A100 nodes, where the site's values stay
 #   HPCML_GPU_ORDER    the GPU each local rank drives, e.g. 3,2,1,0 (default on Perlmutter: each rank next
 #                      to its cores); empty: local rank l drives GPU l
 #   HPCML_NSYS=1       each rank under Nsight Systems for the steps of the recipe's --profile START:END
@@ -127,7 +133,8 @@ launch_recipe() {
     choose_image "$runtime" "$recipe"
     image=$IMAGE
     export_network_settings
-    check_allocation "$runtime"
+    export_plugin_module "$runtime" "$image" "$recipe"
+    check_allocation "$runtime" "$recipe"
     [[ -z ${RUN_DIR:-} || $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
     check_data_path "$runtime" "$@"
     check_model_paths "$runtime" "$@"
@@ -164,7 +171,8 @@ launch_recipe() {
     # What ran, at the top of every job log (a requeued job appends to the same log).
     echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)"
     echo "launch: runtime=$runtime image=$(describe_image "$image") master=$MASTER_ADDR:$MASTER_PORT commit=$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_NET_PLUGIN=$NCCL_NET_PLUGIN NCCL_DEBUG=$NCCL_DEBUG" \
+    echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_NET_PLUGIN=$NCCL_NET_PLUGIN (module ${HPCML_NCCL_MODULE_LOADED:-none})" \
+        "NCCL_DEBUG=$NCCL_DEBUG HPCML_SLINGSHOT=${HPCML_SLINGSHOT:-(the site values)}" \
         "NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME FI_MR_CACHE_MONITOR=$FI_MR_CACHE_MONITOR GPU order=${HPCML_GPU_ORDER:-(local rank l: GPU l)}"
     echo "launch: $(printf '%q ' "${command[@]}")"
     if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then

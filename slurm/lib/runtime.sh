@@ -79,11 +79,14 @@ build_command() {
             # USER 10001) a subordinate id that can neither write the user's RUN_DIR nor read an image from
             # the squashed store (squashfuse mounts belong to the user: runc fails with "stat ...: operation
             # not supported"). `--userns keep-id` fails there too ("creating /etc/mtab symlink").
-            cmd+=(--gpu --nccl --user 0:0)
+            # The network plugin's flag follows the image's CUDA major (network.sh: export_plugin_module).
+            cmd+=(--gpu "--${HPCML_NCCL_MODULE_LOADED:-nccl}" --user 0:0)
             # The Slingshot NICs: NERSC's nccl module binds libfabric and libcxi but not the devices the
-            # CXI provider opens (its mpich module does); without them NCCL cannot use the network.
+            # CXI provider opens (its mpich module does); without them NCCL cannot use the network. Nor does its
+            # gpu module pass GPUDirect RDMA's /dev/gdrdrv: with NERSC's NCCL_NET_GDR_LEVEL=PHB, a Perlmutter run
+            # timed out on its first GPU-direct transfer until it was passed.
             local device
-            for device in ${HPCML_CXI_DEVICES-$(cxi_devices)}; do cmd+=("--device=$device"); done
+            for device in ${HPCML_CXI_DEVICES-$(network_devices)}; do cmd+=("--device=$device"); done
         elif (($(id -u) == 0)); then
             cmd+=(--user 0:0) # podman as root: the ranks as root, not the image's USER, writing root's RUN_DIR
         else
@@ -126,10 +129,11 @@ build_command() {
     cmd+=("${nsys[@]}" "${PYTHON:-python3}" "$@")
 }
 
-# The Slingshot NIC devices of this node (Perlmutter: /dev/cxi0 ... /dev/cxi3), for podman-hpc.
-cxi_devices() {
-    local device
-    for device in /dev/cxi*; do [[ -c $device ]] && echo "$device"; done
+# The network devices of this node for podman-hpc: the Slingshot NICs (Perlmutter: /dev/cxi0 ... /dev/cxi3) and
+# GDRCopy's /dev/gdrdrv, where they exist. $1: the device directory (default /dev).
+network_devices() {
+    local dir=${1:-/dev} device
+    for device in "$dir"/cxi* "$dir/gdrdrv"; do [[ -c $device ]] && echo "$device"; done
     return 0
 }
 
@@ -144,6 +148,7 @@ build_step() {
         # --label: every line of a rank reaches the log whole (srun forwards whole lines unless -u) and starts
         # with the rank's task id (" 9: [ddp] ..."): at hundreds of ranks, the only way to read who said what.
         step=(srun --label --kill-on-bad-exit=1)
+        [[ ${HPCML_SLINGSHOT:-} != gh200 ]] || step+=(--network=disable_rdzv_get) # (network.sh: HPE's GH200 set)
         # Since Slurm 22.05 srun does not inherit the job's --cpus-per-task: without it every rank of a node
         # would share one core. Each rank gets its own cores, bound.
         [[ ${SLURM_CPUS_PER_TASK:-} =~ ^[0-9]+$ ]] && step+=(--cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=cores)
@@ -158,6 +163,7 @@ build_step() {
     container=("${container[@]:0:python_at}" bash "$REPO_DIR/slurm/lib/per_node.sh" "$RECIPE_LAUNCHER"
         "${container[@]:python_at}")
     step=(srun --label --kill-on-bad-exit=1 -N "$nodes" --ntasks="$nodes" --ntasks-per-node=1)
+    [[ ${HPCML_SLINGSHOT:-} != gh200 ]] || step+=(--network=disable_rdzv_get)
     # The node's launcher task needs the CPUs of all the ranks it starts.
     [[ ${SLURM_CPUS_PER_TASK:-} =~ ^[0-9]+$ ]] &&
         step+=(--cpus-per-task=$((SLURM_CPUS_PER_TASK * tasks / nodes)) --cpu-bind=cores)

@@ -178,6 +178,18 @@ build_spank_plugin() {
     fi
 }
 
+# Shifter's network plugin modules (stand-ins of NERSC's aws-ofi-nccl builds for CUDA 12 and 13), in the image
+# gateway, where the shifter stand-in mounts them; the stub CUDA runtimes they link go to $STATE_DIR/cudart/MAJOR
+# (a test image of that major carries one: tests/test_slurm_ddp.py).
+build_site_modules() {
+    local major module
+    for major in 12 13; do
+        module=nccl-plugin
+        [[ $major == 12 ]] || module=nccl-cu$major-plugin
+        bash "$HERE/nccl_net_plugin/build.sh" "$major" "$STATE_DIR/shifter/modules/$module" "$STATE_DIR/cudart/$major"
+    done
+}
+
 start_munge() {
     local key=$STATE_DIR/munge-key/munge.key
     [[ -f $key ]] || mungekey --create --keyfile="$key" >/dev/null
@@ -285,6 +297,7 @@ cmd_start() {
     write_configs "$nodes"
     echo "$shape" >"$STATE_DIR/shape"
     build_spank_plugin
+    build_site_modules
     start_munge
     setup_network "$nodes"
     start_daemons "$nodes"

@@ -8,7 +8,8 @@
  *                                         aborts sbatch ("Failed to lookup image"), as on Perlmutter.
  *                                         The job gets the image's ID, not its name:
  *                                         SLURM_SPANK_SHIFTER_IMAGE=<id>, SLURM_SPANK_SHIFTER_IMAGETYPE=id
- *   sbatch --module=gpu,nccl-plugin       SLURM_SPANK_SHIFTER_MODULE in the job
+ *   sbatch --module=gpu,nccl-cu13-plugin  SLURM_SPANK_SHIFTER_MODULE in the job (the site modules: gpu, and the
+ *                                         network plugin for CUDA 13 or 12, nccl-cu13-plugin or nccl-plugin)
  *   sbatch --volume=SRC:DST[;...]         SLURM_SPANK_SHIFTER_VOLUME in the job
  *
  * A bare `shifter` in the job takes the image from those variables (tests/cluster/shifter/shifter).
@@ -59,7 +60,7 @@ static int take_volumes(int val, const char *optarg, int remote)
 
 static struct spank_option options[] = {
     {"image", "IMAGE", "Shifter image, docker:NAME:TAG or id:ID (resolved at submission)", 1, 0, take_image},
-    {"module", "LIST", "Shifter modules, e.g. gpu,nccl-plugin", 1, 0, take_modules},
+    {"module", "LIST", "Shifter modules, e.g. gpu,nccl-cu13-plugin", 1, 0, take_modules},
     {"volume", "SRC:DST", "Shifter volume mounts", 1, 0, take_volumes},
     SPANK_OPTIONS_TABLE_END};
 

@@ -10,8 +10,9 @@
 #   linked mksquashfs >= 4.6 for `migrate` (it runs inside a container and passes -xattrs-exclude, new in
 #   4.6; Debian 12 has 4.5.1), built here from Debian trixie's source package;
 # - a site config (PREFIX/etc/podman_hpc.yaml, PODMANHPC_CONFIG_FILE) with its own modules.d: `mpi` binds
-#   the host's MPICH-ABI libmpi.so.12 into the container, as Perlmutter's binds Cray MPICH, and `gpu` and
-#   `nccl` exist but bind nothing (no GPUs here).
+#   the host's MPICH-ABI libmpi.so.12 into the container, as Perlmutter's binds Cray MPICH; `gpu` exists but
+#   binds nothing (no GPUs here); `nccl` and `nccl-cu13` bind a stand-in of the network plugin built for CUDA 12
+#   and 13 (tests/cluster/nccl_net_plugin).
 # A user's shell then needs: PATH=PREFIX/bin:$PATH PODMANHPC_CONFIG_FILE=PREFIX/etc/podman_hpc.yaml, and
 # SCRATCH (the squashed images go to $SCRATCH/storage, as on Perlmutter); `env` prints them, and
 # `install.sh user` (as the user) writes their podman configuration.
@@ -131,17 +132,30 @@ env: ENABLE_GPU
 additional_args:
   - -e NVIDIA_VISIBLE_DEVICES
 YAML
-    cat >"$PREFIX/etc/modules.d/nccl.yaml" <<YAML
-name: nccl
-cli_arg: nccl
-help: "NCCL over Slingshot (present, inert here: no libfabric plugin to bind)"
-env: ENABLE_NCCL
+    # NERSC's network plugin, one module per CUDA major (--nccl: CUDA 12, --nccl-cu13): each binds its build of
+    # the plugin (here the stand-in, tests/cluster/nccl_net_plugin, linking its major's CUDA runtime) and puts
+    # it on the loader's path. The stub runtimes it links stay out of the containers. (One argument per list
+    # entry, as podman-hpc passes each to podman whole: "--env=NAME=VALUE", not "-e NAME=VALUE".)
+    local major flag
+    for major in 12 13; do
+        flag=nccl
+        [[ $major == 12 ]] || flag=nccl-cu$major
+        bash "$(dirname "${BASH_SOURCE[0]}")/../nccl_net_plugin/build.sh" "$major" "$PREFIX/modules/$flag" \
+            "$PREFIX/cudart/$major"
+        cat >"$PREFIX/etc/modules.d/$flag.yaml" <<YAML
+name: $flag
+cli_arg: $flag
+help: "NCCL over Slingshot: the network plugin built for CUDA $major (a stand-in; no libfabric here)"
+env: ENABLE_${flag//-/_}
 additional_args:
-  - -e FI_CXI_DISABLE_HOST_REGISTER=1
-  - -e FI_MR_CACHE_MONITOR=userfaultfd
-  - -e NCCL_CROSS_NIC=1
-  - -e NCCL_NET_GDR_LEVEL=PHB
+  - --volume=$PREFIX/modules/$flag:/opt/udiImage/modules/$flag:ro
+  - --env=LD_LIBRARY_PATH=/opt/udiImage/modules/$flag/lib
+  - --env=FI_CXI_DISABLE_HOST_REGISTER=1
+  - --env=FI_MR_CACHE_MONITOR=userfaultfd
+  - --env=NCCL_CROSS_NIC=1
+  - --env=NCCL_NET_GDR_LEVEL=PHB
 YAML
+    done
 }
 
 # A user's own podman-hpc set-up (run as that user): podman-hpc points podman's config home at
