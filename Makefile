@@ -252,9 +252,13 @@ bench-checkpoint: venv
 gpu-check: venv
 	$(PY) bench/gpu_check.py --out runs/gpu-check
 
-# On Perlmutter (or any Slurm GPU cluster): NCCL all-reduce between 2 nodes; fails on a socket fallback.
+# On Perlmutter (or any Slurm GPU cluster): NCCL all-reduce between NODES nodes (default 2); fails on a socket
+# fallback. ACCOUNT (default: Slurm's default account) and QOS (default debug) go to sbatch:
+#   make nccl-check ACCOUNT=m1234 QOS=debug NODES=4
+QOS ?= debug
+NODES ?= 2
 nccl-check:
-	sbatch --wait slurm/nccl_check.sh $(NCCL_CHECK_ARGS)
+	sbatch --wait $(if $(ACCOUNT),-A $(ACCOUNT)) -q $(QOS) -N $(NODES) slurm/nccl_check.sh $(NCCL_CHECK_ARGS)
 
 build-%:
 	$(IMAGE_TOOL) build $*
