@@ -65,7 +65,7 @@ export_network_settings() {
 # NERSC builds the network plugin (aws-ofi-nccl) once per CUDA major, and it links that major's CUDA runtime:
 # in an image of the other major it does not load, and NCCL stops at start-up on 2+ nodes ("Failed to
 # initialize any NET plugin"). The module of each major, as each runtime names it (NERSC's slurm-ray-cluster
-# README, May 2026; recipes/harness/launch.py has the same table for its messages). HPCML_NCCL_MODULE names
+# README, May 2026; recipes/harness/image_checks.py has the same table for its messages). HPCML_NCCL_MODULE names
 # the module for a site that names its own otherwise.
 nccl_plugin_module() {
     local runtime=$1 major=$2
@@ -101,7 +101,7 @@ labelled_cuda_major() {
 }
 
 # The plugin module this job's containers load, exported for the ranks' preflight (which opens the plugin in
-# the image, recipes/harness/launch.py: check_network_plugin) as HPCML_NCCL_MODULE_LOADED; HPCML_CONTAINER_RUNTIME
+# the image, recipes/harness/image_checks.py: check_network_plugin) as HPCML_NCCL_MODULE_LOADED; HPCML_CONTAINER_RUNTIME
 # tells it whose name that is. podman-hpc: the flag the launcher passes, from the image's label (else the
 # image family's). Shifter: the plugin module among the job's '#SBATCH --module' list, if any.
 export_plugin_module() {
