@@ -318,3 +318,155 @@ def test_a_resume_mid_epoch_continues_the_same_curve(tmp_path):
             assert losses(metrics) == expected
         else:
             assert caught(max_relative_difference(losses(metrics)[5:], expected[5:]), PARITY_RTOL)
+
+
+# ---- instruction data (prepare.py --chat, recipes/data/instructions.py): conversations, chat template, loss mask
+
+CHAT_WORDS = ["<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "be", "brief", "what", "is", "two", "plus",
+              "four", "and", "three", "seven", "name", "a", "colour", "blue", "the", "sky", "again"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    """A model directory's tokenizer files with a chat template, as an instruct model ships them: a word-level
+    tokenizer (id = position in CHAT_WORDS, so the test reads tokens back without it), saved by transformers."""
+    directory = tmp_path_factory.mktemp("chat-model")
+    made = run([sys.executable, "-c", f"""
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+words = {CHAT_WORDS!r}
+tokenizer = Tokenizer(models.WordLevel({{w: i for i, w in enumerate(words)}}, unk_token="<unk>"))
+tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<|end|>")
+fast.chat_template = {CHAT_TEMPLATE!r}
+fast.save_pretrained({str(directory)!r})
+"""], env=recipe_env(), timeout=300)
+    assert made.returncode == 0, made.stderr
+    return directory
+
+
+def write_jsonl(path: Path, *records) -> Path:
+    path.write_text("".join((record if isinstance(record, str) else json.dumps(record)) + "\n" for record in records))
+    return path
+
+
+CONVERSATIONS = [
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two plus two"},
+                  {"role": "assistant", "content": "four"}, {"role": "user", "content": "and three plus four"},
+                  {"role": "assistant", "content": "seven"}]},
+    {"prompt": "name a colour", "completion": "blue"},
+    {"prompt": "what is the sky", "completion": "blue again"},
+]
+
+
+def prepare_chat(chat_model: Path, out: Path, *inputs: Path, options=()) -> subprocess.CompletedProcess:
+    return run([sys.executable, str(PREPARE), "--chat", str(chat_model), "--out", str(out), *map(str, inputs), *options],
+               env=recipe_env(HF_HUB_OFFLINE="1"), timeout=300)
+
+
+def read_documents_and_masks(prefix: Path) -> list[tuple[list[str], list[int]]]:
+    """Each conversation's tokens (as words) and loss mask, read from the files as a recipe would."""
+    meta = json.loads(Path(f"{prefix}.json").read_text())
+    lengths = np.fromfile(f"{prefix}.idx", dtype=np.int32, count=meta["documents"], offset=34)
+    assert np.array_equal(np.fromfile(f"{prefix}.mask.idx", dtype=np.int32, count=meta["documents"], offset=34), lengths)
+    tokens = np.fromfile(f"{prefix}.bin", dtype=meta["dtype"])
+    masks = np.fromfile(f"{prefix}.mask.bin", dtype=np.uint8)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    return [([CHAT_WORDS[t] for t in tokens[a:b]], masks[a:b].tolist()) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def test_chat_data_is_rendered_by_the_models_template_and_only_the_answers_are_trained(chat_model, tmp_path):
+    """Both shapes (messages; prompt and completion), rendered by the template the model directory carries:
+    the tokens trained are each answer and its end marker; system, user and generation-prompt tokens are
+    context. --train-on all trains every token. Conversations are documents (their boundaries in the index)."""
+    data = write_jsonl(tmp_path / "train.jsonl", *CONVERSATIONS)
+    result = prepare_chat(chat_model, tmp_path / "sft" / "tokens", data, options=["--valid-fraction", "0.3"])
+    assert_ok(result)
+    documents = read_documents_and_masks(tmp_path / "sft" / "tokens")
+    assert [[word for word, m in zip(words, mask) if m] for words, mask in documents] == [
+        ["four", "<|end|>", "seven", "<|end|>"], ["blue", "<|end|>"], ["blue", "again", "<|end|>"]]
+    assert documents[1][0] == ["<|user|>", "name", "a", "colour", "<|end|>", "<|assistant|>", "blue", "<|end|>"]
+    meta = json.loads((tmp_path / "sft" / "tokens.json").read_text())
+    assert meta["loss_mask"]["trained_tokens"] == 9 and meta["documents"] == 3 and meta["splits"]["validation"] == [2, 3]
+    assert meta["train_on"] == "assistant" and meta["vocab_size"] == len(CHAT_WORDS)
+    assert "9 trained (assistant)" in result.stdout, result.stdout
+    assert_ok(prepare_chat(chat_model, tmp_path / "all" / "tokens", data, options=["--train-on", "all"]))
+    assert all(all(mask) for _, mask in read_documents_and_masks(tmp_path / "all" / "tokens"))
+    # Other field names, named by options
+    renamed = write_jsonl(tmp_path / "qa.jsonl", {"q": "name a colour", "a": "blue"}, {"q": "what is the sky", "a": "blue"})
+    assert_ok(prepare_chat(chat_model, tmp_path / "qa" / "tokens", renamed,
+                           options=["--prompt-field", "q", "--completion-field", "a"]))
+
+
+def test_bad_chat_data_is_one_line_with_the_file_and_line(chat_model, tmp_path):
+    """The first case through the command line (one line on stderr, exit 2, nothing written); the others
+    through prepare.py's main in this process (the same ConfigError, without a transformers import each)."""
+    good = json.dumps(CONVERSATIONS[1])
+    data = write_jsonl(tmp_path / "bad.jsonl", good, '{"question": "what", "answer": "four"}')
+    result = prepare_chat(chat_model, tmp_path / "out" / "tokens", data)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"[prepare] error: {data}:2: neither \"messages\" nor \"prompt\" and \"completion\": name the fields with "
+        "--messages-field, or --prompt-field and --completion-field"], result.stderr
+    assert not (tmp_path / "out").exists()
+    sys.path.insert(0, str(REPO / "recipes" / "data"))
+    import prepare as prepare_module
+    from harness.errors import ConfigError
+
+    cases = [
+        ([good, good, '{"prompt": "what", "completion": "  "}'], ":3: an empty assistant answer"),
+        ([good, '{"messages": [{"role": "user", "content": "what"}]}'], ":2: no assistant turn, nothing to train on"),
+        ([good, '{"messages": [{"role": "robot", "content": "x"}]}'], ":2: message 1 is not {\"role\": one of"),
+        (["not json"], ":1: not valid JSON"),
+        ([good], "the inputs hold 1 usable conversations"),
+    ]
+    for lines, fragment in cases:
+        data = write_jsonl(tmp_path / "bad.jsonl", *lines)
+        with pytest.raises(ConfigError) as refused:
+            prepare_module.main(["--chat", str(chat_model), "--out", str(tmp_path / "out" / "tokens"), str(data)])
+        assert fragment in str(refused.value), refused.value
+        assert not (tmp_path / "out").exists()
+    no_template = tmp_path / "plain"
+    shutil.copytree(chat_model, no_template)
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (no_template / name).unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match="its tokenizer has no chat template"):
+        prepare_module.main(["--chat", str(no_template), "--out", str(tmp_path / "out" / "tokens"), str(data)])
+
+
+def test_conversations_longer_than_the_window_are_dropped_or_truncated_and_counted(chat_model, tmp_path):
+    """The first conversation renders to 23 tokens: with --seq-len 12 it is over 13. Dropped by default;
+    truncated, it keeps its first 13 tokens and the part of its first answer they hold (one token, "four");
+    cut where no answer token is left (--seq-len 10), it is dropped all the same."""
+    data = write_jsonl(tmp_path / "train.jsonl", *CONVERSATIONS)
+    dropped = prepare_chat(chat_model, tmp_path / "drop" / "tokens", data, options=["--seq-len", "12"])
+    assert_ok(dropped)
+    assert "longer than --seq-len 12 + 1: 1 dropped, 0 truncated" in dropped.stdout, dropped.stdout
+    assert len(read_documents_and_masks(tmp_path / "drop" / "tokens")) == 2
+    cut = prepare_chat(chat_model, tmp_path / "cut" / "tokens", data, options=["--seq-len", "12", "--too-long", "truncate"])
+    assert_ok(cut)
+    assert "longer than --seq-len 12 + 1: 0 dropped, 1 truncated" in cut.stdout, cut.stdout
+    words, mask = read_documents_and_masks(tmp_path / "cut" / "tokens")[0]
+    assert len(words) == 13 and [w for w, m in zip(words, mask) if m] == ["four"], (words, mask)
+    nothing_left = prepare_chat(chat_model, tmp_path / "none" / "tokens", data,
+                                options=["--seq-len", "10", "--too-long", "truncate"])
+    assert_ok(nothing_left)
+    assert "longer than --seq-len 10 + 1: 1 dropped, 0 truncated" in nothing_left.stdout, nothing_left.stdout
+
+
+def test_the_recipes_refuse_instruction_data_until_they_apply_its_mask(chat_model, tmp_path):
+    """A token file with a loss mask, trained as a plain token stream, would train the prompts and run
+    conversations together: refused in one line before any rank starts."""
+    prefix = tmp_path / "sft" / "tokens"
+    assert_ok(prepare_chat(chat_model, prefix, write_jsonl(tmp_path / "train.jsonl", *CONVERSATIONS)))
+    from support.runs import assert_preflight_refuses, DDP_RECIPE
+
+    assert_preflight_refuses(DDP_RECIPE, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "4"],
+                             "is instruction data with a loss mask (prepare.py --chat); the recipes do not apply loss masks yet")
+    (Path(f"{prefix}.mask.bin")).write_bytes(b"\0")  # a damaged mask: the token file's own check names it
+    assert_preflight_refuses(DDP_RECIPE, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "4"],
+                             "its loss mask (tokens.mask.bin, tokens.mask.idx) is missing or does not match its tokens")

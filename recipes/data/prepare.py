@@ -4,6 +4,7 @@
     python recipes/data/prepare.py --out data/mine/tokens notes/ more.txt corpus.jsonl --workers 8
     python recipes/data/prepare.py --out data/bpe/tokens --tokenizer bpe:4096   # a BPE trained on the corpus itself
     python recipes/data/prepare.py --out data/llama/tokens --tokenizer path/to/tokenizer.json   # a local HF tokenizer
+    python recipes/data/prepare.py --chat path/to/model --out data/sft/tokens train.jsonl   # instruction data: instructions.py
     make data                                                               # the first line
     torchrun --standalone --nproc_per_node=2 recipes/ddp/train.py --data data/stdlib/tokens
 
@@ -47,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: the sh
 import harness  # noqa: E402
 from harness.data import read_token_file_meta, write_token_file  # noqa: E402
 
+import instructions  # noqa: E402 (recipes/data/instructions.py, beside this file)
+
 PREPARE = "prepare"
 BYTE_TOKENIZER = "bytes (UTF-8, 256 ids)"
 TOKENIZERS_PIN = "tokenizers==0.23.3"  # as requirements/cpu.txt
@@ -63,7 +66,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bytes (default), bpe:N (train an N-id byte-level BPE on the inputs), or a tokenizer.json file")
     p.add_argument("--workers", type=int, default=min(8, multiprocessing.cpu_count()))
     p.add_argument("--force", action="store_true", help="rewrite even when OUT.json is up to date")
+    instructions.add_options(p)
     args = p.parse_args(argv)
+    if args.chat is not None:
+        if not args.inputs:
+            raise harness.ConfigError("--chat needs the .jsonl files of conversations to prepare")
+        harness.require_at_least_one(args, "seq_len")
+        if args.tokenizer != "bytes":
+            raise harness.ConfigError("--chat takes the tokenizer of its model directory: leave out --tokenizer")
     if not args.inputs:
         args.inputs = [Path(sysconfig.get_paths()["stdlib"])]
     if not 0 < args.valid_fraction < 1:
@@ -182,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     files = input_files(args.inputs, set(args.suffixes.split(",")))
+    if args.chat is not None:  # conversations, their chat template and loss mask: recipes/data/instructions.py
+        return instructions.prepare_instructions(args, files)
     digest = inputs_digest(files, args)
     if not args.force and Path(f"{args.out}.json").exists():
         try:

@@ -101,32 +101,52 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65536 else "int32"
 
 
-def write_token_file(prefix: Path, documents: list, vocab_size: int, tokenizer: str, validation_documents: int,
-                     extra: dict | None = None) -> dict:
-    """PREFIX.bin, PREFIX.idx (one sequence per document) and PREFIX.json; the last ``validation_documents``
-    documents are the validation split. Each file is written beside its final name and renamed into place,
-    the sidecar last: an interrupted write leaves no PREFIX.json, and a reader refuses the prefix."""
+def _write_indexed(path_prefix: str, documents: list, dtype) -> tuple[Path, Path]:
+    """PATH_PREFIX.bin and .idx, written beside their final names (.partial); returns the two partial files."""
     import numpy as np
 
-    dtype = np.dtype(token_dtype(vocab_size))
     lengths = np.array([len(document) for document in documents], dtype=np.int32)
     pointers = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))[:-1]]).astype(np.int64) * dtype.itemsize
-    meta = {"format": TOKEN_FILE_FORMAT, "dtype": dtype.name, "vocab_size": vocab_size, "tokenizer": tokenizer,
-            "documents": len(documents), "tokens": int(lengths.sum()),
-            "splits": {"train": [0, len(documents) - validation_documents],
-                       "validation": [len(documents) - validation_documents, len(documents)]}, **(extra or {})}
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    partial = {suffix: Path(f"{prefix}{suffix}.partial") for suffix in (".bin", ".idx", ".json")}
-    with open(partial[".bin"], "wb") as out:
+    data, index = Path(f"{path_prefix}.bin.partial"), Path(f"{path_prefix}.idx.partial")
+    with open(data, "wb") as out:
         for document in documents:
             out.write(np.asarray(document, dtype=dtype).tobytes())
-    with open(partial[".idx"], "wb") as out:
+    with open(index, "wb") as out:
         out.write(INDEX_HEADER + struct.pack("<Q", 1) + struct.pack("<B", INDEX_DTYPE_CODES[dtype.name]))
         out.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(lengths) + 1))
         out.write(lengths.tobytes() + pointers.tobytes() + np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+    return data, index
+
+
+LOSS_MASK_SUFFIX = ".mask"  # PREFIX.mask.bin/.idx: instruction data's loss mask, in the token file's own layout
+
+
+def write_token_file(prefix: Path, documents: list, vocab_size: int, tokenizer: str, validation_documents: int,
+                     extra: dict | None = None, loss_masks: list | None = None) -> dict:
+    """PREFIX.bin, PREFIX.idx (one sequence per document) and PREFIX.json; the last ``validation_documents``
+    documents are the validation split. ``loss_masks`` (instruction data): one uint8 array per document, 1 where
+    the token is trained, written as PREFIX.mask.bin/.idx in the same layout. Each file is written beside its
+    final name and renamed into place, the sidecar last: an interrupted write leaves no PREFIX.json, and a
+    reader refuses the prefix."""
+    import numpy as np
+
+    dtype = np.dtype(token_dtype(vocab_size))
+    meta = {"format": TOKEN_FILE_FORMAT, "dtype": dtype.name, "vocab_size": vocab_size, "tokenizer": tokenizer,
+            "documents": len(documents), "tokens": int(sum(len(document) for document in documents)),
+            "splits": {"train": [0, len(documents) - validation_documents],
+                       "validation": [len(documents) - validation_documents, len(documents)]}, **(extra or {})}
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    partial = dict(zip((".bin", ".idx"), _write_indexed(str(prefix), documents, dtype)))
+    if loss_masks is not None:
+        assert [len(mask) for mask in loss_masks] == [len(document) for document in documents]
+        mask_files = _write_indexed(f"{prefix}{LOSS_MASK_SUFFIX}", loss_masks, np.dtype("uint8"))
+        partial.update(zip((f"{LOSS_MASK_SUFFIX}.bin", f"{LOSS_MASK_SUFFIX}.idx"), mask_files))
+        meta["loss_mask"] = {"files": f"{prefix.name}{LOSS_MASK_SUFFIX}.bin/.idx", "dtype": "uint8",
+                             "trained_tokens": int(sum(int(np.sum(mask)) for mask in loss_masks))}
+    partial[".json"] = Path(f"{prefix}.json.partial")
     partial[".json"].write_text(json.dumps(meta, indent=1) + "\n")
-    for suffix in (".bin", ".idx", ".json"):
-        os.replace(partial[suffix], f"{prefix}{suffix}")
+    for suffix, path in partial.items():
+        os.replace(path, f"{prefix}{suffix}")
     return meta
 
 
@@ -176,6 +196,15 @@ def read_token_file_meta(prefix: str | Path) -> dict:
     if tokens.stat().st_size != expected_tokens:
         raise ConfigError(f"--data {prefix}: {tokens} has {tokens.stat().st_size} bytes, the index says {expected_tokens} "
                           f"({meta['tokens']} tokens): truncated or from another run; {redo}")
+    if "loss_mask" in meta:  # instruction data: a mask per token, one document per conversation, as the tokens
+        mask_index, mask_data = (Path(f"{prefix}{LOSS_MASK_SUFFIX}{suffix}") for suffix in (".idx", ".bin"))
+        lengths = np.fromfile(index, dtype=np.int32, count=sequences, offset=INDEX_FIXED_BYTES)
+        if not (mask_index.is_file() and mask_data.is_file() and mask_data.stat().st_size == meta["tokens"]
+                and mask_index.stat().st_size == expected_index
+                and np.array_equal(np.fromfile(mask_index, dtype=np.int32, count=sequences, offset=INDEX_FIXED_BYTES),
+                                   lengths)):
+            raise ConfigError(f"--data {prefix}: its loss mask ({mask_data.name}, {mask_index.name}) is missing or does not "
+                              f"match its tokens; {redo}")
     return meta
 
 
@@ -187,6 +216,10 @@ def check_data_option(data: str, vocab_size: int, seq_len: int, evaluates: bool 
         return
     token_file = TokenFileData(data, seq_len, seed=0)  # reads and checks the three files (read_token_file_meta)
     meta = token_file.meta
+    if "loss_mask" in meta:
+        # Training on it as a plain token stream would train the prompts too, and mix conversations in a window.
+        raise ConfigError(f"--data {data} is instruction data with a loss mask (prepare.py --chat); the recipes do not "
+                          "apply loss masks yet: prepare the text with prepare.py without --chat to train on every token")
     if meta["vocab_size"] > vocab_size:
         raise ConfigError(f"--data {data}: its tokenizer ({meta['tokenizer']}) has {meta['vocab_size']} token ids, more than "
                           f"--vocab-size {vocab_size}: use --vocab-size {meta['vocab_size']} or more")
