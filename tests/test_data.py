@@ -458,15 +458,45 @@ def test_conversations_longer_than_the_window_are_dropped_or_truncated_and_count
     assert "longer than --seq-len 10 + 1: 1 dropped, 0 truncated" in nothing_left.stdout, nothing_left.stdout
 
 
-def test_the_recipes_refuse_instruction_data_until_they_apply_its_mask(chat_model, tmp_path):
+def test_a_recipe_that_does_not_apply_the_mask_refuses_instruction_data(chat_model, tmp_path):
     """A token file with a loss mask, trained as a plain token stream, would train the prompts and run
-    conversations together: refused in one line before any rank starts."""
+    conversations together: a recipe that does not apply the mask refuses it in one line before any rank starts;
+    so does DDP (which does) a --seq-len that would cut the conversations, and a damaged mask file."""
     prefix = tmp_path / "sft" / "tokens"
-    assert_ok(prepare_chat(chat_model, prefix, write_jsonl(tmp_path / "train.jsonl", *CONVERSATIONS)))
+    assert_ok(prepare_chat(chat_model, prefix, write_jsonl(tmp_path / "train.jsonl", *CONVERSATIONS),
+                           options=["--seq-len", "32"]))
     from support.runs import assert_preflight_refuses, DDP_RECIPE
 
-    assert_preflight_refuses(DDP_RECIPE, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "4"],
-                             "is instruction data with a loss mask (prepare.py --chat); the recipes do not apply loss masks yet")
+    fsdp = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
+    assert_preflight_refuses(fsdp, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "32"],
+                             "is instruction data with a loss mask (prepare.py --chat), which fsdp_tp_pp does not apply "
+                             "yet: train it with recipes/ddp")
+    assert_preflight_refuses(DDP_RECIPE, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "16"],
+                             "its conversations were prepared for --seq-len 32 and would be cut at 16")
     (Path(f"{prefix}.mask.bin")).write_bytes(b"\0")  # a damaged mask: the token file's own check names it
-    assert_preflight_refuses(DDP_RECIPE, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "4"],
+    assert_preflight_refuses(DDP_RECIPE, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "32"],
                              "its loss mask (tokens.mask.bin, tokens.mask.idx) is missing or does not match its tokens")
+
+
+def test_ddp_on_instruction_data_matches_one_process_and_the_trainers_per_rank_mean_is_caught(chat_model, tmp_path):
+    """The loss of a step is the cross-entropy summed over every trained token of the global batch, divided by
+    their number (harness/data.py: token_weight), whatever the layout. The rows hold 2 to 14 trained tokens,
+    so the ranks hold very different numbers: 2 DDP ranks match one process (tests/parity.toml's tolerance);
+    the negative control, each rank's own mean averaged over the ranks (Hugging Face Trainer's bug,
+    transformers #34191), is caught by more than 100x."""
+    answers = [" ".join((["four", "seven", "blue"] * 5)[:(i * 5) % 13 + 1]) for i in range(16)]
+    records = [{"prompt": ["what is two plus two", "name a colour"][i % 2], "completion": answer}
+               for i, answer in enumerate(answers)]
+    prefix = tmp_path / "sft" / "tokens"
+    assert_ok(prepare_chat(chat_model, prefix, write_jsonl(tmp_path / "train.jsonl", *records),
+                           options=["--seq-len", "32", "--valid-fraction", "0.1"]))
+    args = ["--data", str(prefix), "--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
+            "--log-every", "1", "--global-batch", "4", "--max-steps", "6", *SGD]
+    assert_ok(run_single(tmp_path / "one", *args))
+    reference = read_metrics(tmp_path / "one")
+    assert_ok(run_torchrun(tmp_path / "two", 2, *args))
+    parallel = read_metrics(tmp_path / "two")
+    assert parallel["world_size"] == 2 and parallel["backend"] == "gloo" and parallel["model_wrapper"] == "DistributedDataParallel"
+    assert max_relative_difference(losses(parallel), losses(reference)) <= PARITY_RTOL
+    assert_ok(run_torchrun(tmp_path / "control", 2, *args, **fault("rank-mean-loss")))
+    assert caught(max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)), PARITY_RTOL)

@@ -54,7 +54,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "ddp"
 # The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
-FAULTS = ("grad-sum", "no-grad-allreduce", "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart",
+FAULTS = ("grad-sum", "no-grad-allreduce", "rank-mean-loss", "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart",
           "track-every-step")
 
 
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_optimizer_option(p)
     harness.memory.add_options(p)
     harness.add_schedule_options(p)
-    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True, loss_masks=True)
 
 
 def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec) -> None:
@@ -171,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         assert isinstance(model, DDP) and dist.get_world_size() == env.world_size
     model.train()
     optimizer = harness.torch_optimizer(raw_model.parameters(), args.optimizer, args.lr)
-    harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=env.world_size,
-                          ddp_model=model if env.world_size > 1 else None, optimizers=[optimizer])  # (tests only: their controls)
+    fault = harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=env.world_size,
+                                  ddp_model=model if env.world_size > 1 else None, optimizers=[optimizer],
+                                  applies={"rank-mean-loss": env.world_size > 1 and harness.masked_data(args)})  # (tests only)
 
     start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if checkpoint:
@@ -208,13 +209,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- training loop
     data = harness.training_data(args)  # --data: synthetic or a token file
+    # Instruction data (a loss mask): every trained token of the global batch weighs the same, on any layout
+    masked = harness.masked_data(args)
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
                                    env.rank, env.world_size, device)  # (--data-workers: read ahead)
     for step, (inputs, targets) in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             with harness.phase("forward"):
-                loss = model(inputs, targets)
+                loss = model(inputs, targets)  # the mean over this rank's trained targets
+                if masked and fault != "rank-mean-loss":
+                    loss = loss * harness.token_weight(targets, env.world_size)
             with harness.phase("backward"):
                 loss.backward()  # DDP averages the gradients across ranks here, overlapped with backward
         with harness.phase("optimizer"):

@@ -169,8 +169,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] | None,
                       model_options: Callable[[argparse.ArgumentParser], None] | None = None,
-                      collective_timeout: bool = True, lora: bool = False, profile: bool = True) -> argparse.Namespace:
+                      collective_timeout: bool = True, lora: bool = False, profile: bool = True,
+                      loss_masks: bool = False) -> argparse.Namespace:
     """The shared option groups after the recipe's own, then the command line (and --config) parsed.
+    ``loss_masks``: the recipe trains instruction data (a token file with a loss mask, data.ConversationData).
     ``model_options``: the stack's model adds its options (recipes/gpt.py: GPTConfig.add_arguments); with it
     the recipe takes --model, --dataset, --export-hf and --lora-rank (which it refuses unless ``lora``).
     ``collective_timeout``: --timeout-s (PyTorch's groups); ``profile``: --profile (torch.profiler)."""
@@ -193,7 +195,8 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
         for split in ("train", "validation") if args.eval_every > 0 else ("train",):
             user_dataset(args, split)
     else:
-        check_data_option(args.data, args.vocab_size, args.seq_len, evaluates=args.eval_every > 0)
+        check_data_option(args.data, args.vocab_size, args.seq_len, evaluates=args.eval_every > 0,
+                          loss_masks=recipe if not loss_masks else None)
     return args
 
 

@@ -208,18 +208,27 @@ def read_token_file_meta(prefix: str | Path) -> dict:
     return meta
 
 
-def check_data_option(data: str, vocab_size: int, seq_len: int, evaluates: bool = False) -> None:
+def check_data_option(data: str, vocab_size: int, seq_len: int, evaluates: bool = False,
+                      loss_masks: str | None = None) -> None:
     """--data: 'synthetic', or a prefix whose files are whole, whose token ids fit the model's --vocab-size
     and whose training split (and validation split, when the run ``evaluates``) holds at least one sample of
-    --seq-len + 1 tokens."""
+    --seq-len + 1 tokens. ``loss_masks``: the name of a recipe that cannot train instruction data (None: it can)."""
     if data == "synthetic":
         return
-    token_file = TokenFileData(data, seq_len, seed=0)  # reads and checks the three files (read_token_file_meta)
-    meta = token_file.meta
+    meta = read_token_file_meta(data)
     if "loss_mask" in meta:
-        # Training on it as a plain token stream would train the prompts too, and mix conversations in a window.
-        raise ConfigError(f"--data {data} is instruction data with a loss mask (prepare.py --chat); the recipes do not "
-                          "apply loss masks yet: prepare the text with prepare.py without --chat to train on every token")
+        if loss_masks is not None:
+            # Trained as a plain token stream, the prompts would be trained too, and conversations mixed in a window.
+            raise ConfigError(f"--data {data} is instruction data with a loss mask (prepare.py --chat), which {loss_masks} "
+                              "does not apply yet: train it with recipes/ddp, or prepare the text without --chat")
+        if meta.get("seq_len", 0) > seq_len:
+            raise ConfigError(f"--data {data}: its conversations were prepared for --seq-len {meta['seq_len']} and would "
+                              f"be cut at {seq_len}: use --seq-len {meta['seq_len']}, or prepare it with --seq-len {seq_len}")
+        if meta["vocab_size"] > vocab_size:
+            raise ConfigError(f"--data {data}: its tokenizer ({meta['tokenizer']}) has {meta['vocab_size']} token ids, "
+                              f"more than --vocab-size {vocab_size}: use --vocab-size {meta['vocab_size']} or more")
+        return  # (prepare.py wrote at least one conversation per split, each within the window)
+    token_file = TokenFileData(data, seq_len, seed=0)  # reads and checks the three files (read_token_file_meta)
     if meta["vocab_size"] > vocab_size:
         raise ConfigError(f"--data {data}: its tokenizer ({meta['tokenizer']}) has {meta['vocab_size']} token ids, more than "
                           f"--vocab-size {vocab_size}: use --vocab-size {meta['vocab_size']} or more")
@@ -285,6 +294,69 @@ class TokenFileData(GlobalBatches):
 
         inputs, targets = self.numpy_global_batch(step, batch_size)
         return torch.from_numpy(inputs), torch.from_numpy(targets)
+
+
+IGNORE = -100  # a target the loss leaves out: PyTorch's cross_entropy ignore_index, and Hugging Face's
+
+
+class ConversationData(GlobalBatches):
+    """Instruction data (prepare.py --chat: a token file with a loss mask): sample k of an epoch is one
+    conversation, in a seeded order per epoch, padded to --seq-len + 1 tokens (pad id 0). Its targets are the
+    next tokens where the mask says trained, and IGNORE elsewhere (the prompts, the padding). As with a token
+    file, step s takes samples s * batch onwards and rank r its rows: the data depends on the step only."""
+
+    def __init__(self, prefix: str | Path, seq_len: int, seed: int, split: str = "train"):
+        import numpy as np
+
+        meta = read_token_file_meta(prefix)
+        first, last = meta["splits"][split]
+        lengths = np.fromfile(f"{prefix}.idx", dtype=np.int32, count=meta["documents"], offset=INDEX_FIXED_BYTES)
+        self.starts = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))])[first:last + 1]
+        self.tokens = np.memmap(f"{prefix}.bin", dtype=meta["dtype"], mode="r")
+        self.mask = np.memmap(f"{prefix}{LOSS_MASK_SUFFIX}.bin", dtype=np.uint8, mode="r")
+        self.meta, self.seq_len, self.seed = meta, seq_len, seed
+        self.samples_per_epoch = last - first
+
+    def order(self, epoch: int):
+        import numpy as np
+
+        return np.random.default_rng(self.seed * 1_000_003 + epoch).permutation(self.samples_per_epoch)
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import numpy as np
+        import torch
+
+        window = self.seq_len + 1
+        tokens, trained = np.zeros((batch_size, window), np.int64), np.zeros((batch_size, window), bool)
+        for row, sample in enumerate(range(step * batch_size, (step + 1) * batch_size)):
+            epoch, position = divmod(sample, self.samples_per_epoch)
+            first, end = self.starts[self.order(epoch)[position]], self.starts[self.order(epoch)[position] + 1]
+            length = min(int(end - first), window)
+            tokens[row, :length] = self.tokens[first:first + length]
+            trained[row, :length] = self.mask[first:first + length] == 1
+        targets = np.where(trained[:, 1:], tokens[:, 1:], IGNORE)
+        return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(targets)
+
+
+def masked_data(args) -> bool:
+    """--data is instruction data (a token file with a loss mask): ConversationData's rows, token_weight's loss."""
+    return not getattr(args, "dataset", None) and args.data != "synthetic" and "loss_mask" in read_token_file_meta(args.data)
+
+
+def token_weight(targets: torch.Tensor, world_size: int) -> torch.Tensor:
+    """What scales this rank's mean loss over its trained targets (targets != IGNORE) so that the gradient the
+    data-parallel ranks average is the one of the global batch's loss: the sum of the cross-entropy over every
+    trained token of the global batch, divided by their number. Rows hold very different numbers of trained
+    tokens, and a mean of per-rank means weighs a token of a short answer more than one of a long one (the
+    Hugging Face Trainer's bug, transformers #34191): weight = local tokens x world size / global tokens."""
+    import torch
+    import torch.distributed as dist
+
+    local = (targets != IGNORE).sum().to(torch.float64)
+    total = local.clone()
+    if world_size > 1:
+        dist.all_reduce(total)
+    return (local * world_size / total).to(torch.float32)
 
 
 class DatasetBatches(GlobalBatches):
@@ -354,6 +426,8 @@ def training_data(args) -> SyntheticTokens | TokenFileData | DatasetBatches:
         return DatasetBatches(user_dataset(args, "train"), args.seed)
     if args.data == "synthetic":
         return SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    if masked_data(args):
+        return ConversationData(args.data, args.seq_len, args.seed)
     return TokenFileData(args.data, args.seq_len, args.seed)
 
 
@@ -414,6 +488,8 @@ def validation_data(args) -> SyntheticTokens | TokenFileData | DatasetBatches:
         return DatasetBatches(user_dataset(args, "validation"), args.seed)
     if args.data == "synthetic":
         return SyntheticTokens(args.vocab_size, args.seq_len, args.seed + VALIDATION_SEED_OFFSET)
+    if masked_data(args):
+        return ConversationData(args.data, args.seq_len, args.seed, split="validation")
     return TokenFileData(args.data, args.seq_len, args.seed, split="validation")
 
 

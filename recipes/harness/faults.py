@@ -19,6 +19,9 @@ fault then enters through the framework's own hooks:
     schedule-restart       a resumed run starts its learning-rate schedule again (harness/run.py)
     track-every-step       W&B and MLflow receive each step as it is logged, not when a checkpoint holds it
                            (a resume after a crash then records the steps since the checkpoint twice)
+    rank-mean-loss         instruction data's loss as each rank's mean over its own trained tokens, averaged over
+                           the ranks (Hugging Face Trainer's bug), not the global batch's sum over its trained
+                           tokens (the recipe reads it where it weighs the loss: harness/data.py token_weight)
     batch-p2p-with-vp      Megatron's batched p2p with virtual stages at PP 2 let through, which the recipe
                            refuses (it trains on swapped activations; recipes/megatron_tp_pp/layout.py)
 
@@ -39,7 +42,7 @@ from .errors import ConfigError
 FAULT_ENV = "HPCML_TEST_FAULT"
 FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "tp-no-reduce", "pp-loss-unscaled", "last-microbatch-loss",
           "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "batch-p2p-with-vp",
-          "track-every-step")
+          "track-every-step", "rank-mean-loss")
 
 
 def active(name: str) -> bool:
@@ -124,7 +127,8 @@ def inject(recipe: str, supported: Iterable[str], *, parameters: Iterable[Any] =
     applies = {"grad-sum": data_parallel > 1, "no-grad-allreduce": data_parallel > 1, "accum-sum": micro_batches > 1,
                **(applies or {})}
     check(recipe, supported, applies)
-    if fault is None or fault in ("resume-data-from-start", "schedule-restart", "batch-p2p-with-vp"):  # (where they act)
+    if fault is None or fault in ("resume-data-from-start", "schedule-restart", "batch-p2p-with-vp",
+                                  "rank-mean-loss"):  # (where they act)
         return fault
     parameters = list(parameters)
     if fault == "grad-sum" and fsdp_modules:  # FSDP's own switches: reduce with SUM and divide by 1
