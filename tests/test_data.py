@@ -479,8 +479,8 @@ def test_a_recipe_that_does_not_apply_the_mask_refuses_instruction_data(chat_mod
 
 
 def test_ddp_on_instruction_data_matches_one_process_and_the_trainers_per_rank_mean_is_caught(chat_model, tmp_path):
-    """The loss of a step is the cross-entropy summed over every trained token of the global batch, divided by
-    their number (harness/data.py: token_weight), whatever the layout. The rows hold 2 to 14 trained tokens,
+    """The loss of a step (and of an evaluation batch) is the cross-entropy summed over every trained token of the
+    global batch, divided by their number (harness/data.py: token_weight), whatever the layout. The rows hold 2 to 14 trained tokens,
     so the ranks hold very different numbers: 2 DDP ranks match one process (tests/parity.toml's tolerance);
     the negative control, each rank's own mean averaged over the ranks (Hugging Face Trainer's bug,
     transformers #34191), is caught by more than 100x."""
@@ -491,12 +491,14 @@ def test_ddp_on_instruction_data_matches_one_process_and_the_trainers_per_rank_m
     assert_ok(prepare_chat(chat_model, prefix, write_jsonl(tmp_path / "train.jsonl", *records),
                            options=["--seq-len", "32", "--valid-fraction", "0.1"]))
     args = ["--data", str(prefix), "--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
-            "--log-every", "1", "--global-batch", "4", "--max-steps", "6", *SGD]
+            "--log-every", "1", "--global-batch", "4", "--max-steps", "6", "--eval-every", "3", "--eval-batches", "2", *SGD]
     assert_ok(run_single(tmp_path / "one", *args))
     reference = read_metrics(tmp_path / "one")
     assert_ok(run_torchrun(tmp_path / "two", 2, *args))
     parallel = read_metrics(tmp_path / "two")
     assert parallel["world_size"] == 2 and parallel["backend"] == "gloo" and parallel["model_wrapper"] == "DistributedDataParallel"
     assert max_relative_difference(losses(parallel), losses(reference)) <= PARITY_RTOL
+    # (the validation loss too: each eval batch's loss over its trained tokens, the same on both)
+    assert len(eval_losses(reference)) == 2 and max_relative_difference(eval_losses(parallel), eval_losses(reference)) <= PARITY_RTOL
     assert_ok(run_torchrun(tmp_path / "control", 2, *args, **fault("rank-mean-loss")))
     assert caught(max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)), PARITY_RTOL)

@@ -197,20 +197,25 @@ def main(argv: list[str] | None = None) -> int:
                 "rng": harness.rng_state(), **metrics.checkpoint_state(), **must_match})
             metrics.write()
 
+    # Instruction data (a loss mask): every trained token of the global batch weighs the same, on any layout
+    masked = harness.masked_data(args)
+
+    def weighed(inputs, targets):  # (instruction data's evaluation: the batch's loss over its trained tokens)
+        return raw_model(inputs, targets) * harness.token_weight(targets, env.world_size).to(device)
+
     # ---- evaluation: the loss on the validation data (--eval-every), each rank its rows, averaged over ranks
     validation = harness.validation_data(args)
 
     def evaluate() -> float:
         model.eval()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = harness.validation_loss(raw_model, validation, args, args.global_batch, env.rank, env.world_size, device)
+            loss = harness.validation_loss(weighed if masked else raw_model, validation, args, args.global_batch,
+                                           env.rank, env.world_size, device)
         model.train()
         return harness.mean_across_ranks(loss, env.world_size)
 
     # ---- training loop
     data = harness.training_data(args)  # --data: synthetic or a token file
-    # Instruction data (a loss mask): every trained token of the global batch weighs the same, on any layout
-    masked = harness.masked_data(args)
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
                                    env.rank, env.world_size, device)  # (--data-workers: read ahead)
