@@ -321,11 +321,14 @@ def network_settings() -> dict[str, str]:
 
 
 def container_runtime() -> str:
-    """The container this process runs in, as far as the runtime says so ("none" on the bare host)."""
-    if os.environ.get("SHIFTER_RUNTIME") or os.path.isdir("/opt/udiImage"):
+    """The container this process runs in, as far as the runtime says so ("none" on the bare host). podman's
+    marker first: podman-hpc's modules mount their libraries under /opt/udiImage too, as Shifter's do."""
+    if os.environ.get("SHIFTER_RUNTIME"):
         return "shifter"
     if os.path.exists("/run/.containerenv"):
         return "podman"
+    if os.path.isdir("/opt/udiImage"):
+        return "shifter"
     if os.path.exists("/.dockerenv"):
         return "docker"
     return "none"
