@@ -316,11 +316,9 @@ class ConversationData(GlobalBatches):
         self.mask = np.memmap(f"{prefix}{LOSS_MASK_SUFFIX}.bin", dtype=np.uint8, mode="r")
         self.meta, self.seq_len, self.seed = meta, seq_len, seed
         self.samples_per_epoch = last - first
+        self._order = None
 
-    def order(self, epoch: int):
-        import numpy as np
-
-        return np.random.default_rng(self.seed * 1_000_003 + epoch).permutation(self.samples_per_epoch)
+    order = TokenFileData.order  # (the same seeded permutation per epoch, computed once per epoch)
 
     def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         import numpy as np
@@ -330,7 +328,8 @@ class ConversationData(GlobalBatches):
         tokens, trained = np.zeros((batch_size, window), np.int64), np.zeros((batch_size, window), bool)
         for row, sample in enumerate(range(step * batch_size, (step + 1) * batch_size)):
             epoch, position = divmod(sample, self.samples_per_epoch)
-            first, end = self.starts[self.order(epoch)[position]], self.starts[self.order(epoch)[position] + 1]
+            conversation = self.order(epoch)[position]
+            first, end = self.starts[conversation], self.starts[conversation + 1]
             length = min(int(end - first), window)
             tokens[row, :length] = self.tokens[first:first + length]
             trained[row, :length] = self.mask[first:first + length] == 1
