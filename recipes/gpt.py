@@ -45,13 +45,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: which keys each query may attend to, (batch, 1, seq, seq) (packed documents, see
+        document_mask); None: every earlier position (causal)."""
         batch, seq, _ = x.shape
         # qkv's outputs are laid out head by head ([q k v] of head 0, then of head 1, ...), so tensor
         # parallelism, which splits them into contiguous blocks, gives each rank whole heads: the head count
         # is read from the (local) width, never assumed.
         q, k, v = self.qkv(x).view(batch, seq, -1, 3, self.head_dim).unbind(dim=3)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, is_causal=mask is None)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -63,8 +66,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -88,12 +91,22 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return cross_entropy(self.logits(tokens, positions), targets)
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: each token's position in its document, (batch, seq), for rows that pack several
+        documents (--pack): they restart at 0 with each document, and attention stays within it. None: one
+        sequence per row, positions 0, 1, 2, ..."""
+        mask = None
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        else:
+            mask = document_mask(positions)
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
-            x = block(x)
-        return cross_entropy(self.head(self.ln_f(x)), targets)
+            x = block(x, mask)
+        return self.head(self.ln_f(x))
 
     def num_params_for_flops(self) -> int:
         """Parameters that take part in matmuls: all but the embeddings, which are lookups (a token embedding
@@ -112,6 +125,18 @@ class GPT(nn.Module):
         return 6.0 * self.num_params_for_flops() + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
 
 
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed rows, (batch, 1, seq, seq): a query attends to the earlier keys of its own
+    document. A document starts wherever a position does not follow the one before (position 0 after any
+    other), the rule Hugging Face's masks use for packed position ids (transformers' masking_utils)."""
+    step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
+    document = (step != 1).cumsum(dim=-1)
+    seq = positions.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+    return (causal & (document[:, :, None] == document[:, None, :]))[:, None]
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean next-token loss over every position of every row (in float32, whatever the logits' dtype)."""
+    """The mean next-token loss over every position of every row (in float32, whatever the logits' dtype), but
+    those whose target is -100 (cross_entropy's ignore_index: instruction data's prompts and padding)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -47,6 +47,8 @@ def assert_one_line_error(result, *fragments: str) -> None:
         (2, ["--eval-batches", "0"], ["--eval-batches must be at least 1, got 0"]),
         (2, ["--data-workers", "-2"], ["--data-workers must be 0 (read in the training process) or more, or -1 (auto)"]),
         (2, ["--tracker", "wandb,comet"], ["--tracker 'wandb,comet': use a comma-separated list of tensorboard, wandb, mlflow, or none"]),
+        (2, ["--pack"], ["--pack packs instruction data's conversations", "leave out --pack"]),
+        (2, ["--pack", "--model", "mymodel.py:build"], ["--pack needs a model that takes each token's position"]),
         (2, ["--tracker", "wandb", "--tensorboard", "tb"],
          ["--tensorboard tb names a directory for TensorBoard, which --tracker wandb leaves out: add tensorboard"]),
     ],
@@ -60,7 +62,7 @@ def test_recipe_rejects_bad_layout_before_starting(tmp_path, world_size, args, f
 @pytest.mark.parametrize("fault, fragment", [
     ("grad-sum", "HPCML_TEST_FAULT=grad-sum changes nothing in this layout: it needs the parallelism it breaks"),
     ("no-grad-allreduce", "HPCML_TEST_FAULT=no-grad-allreduce changes nothing in this layout"),
-    ("tp-no-reduce", "HPCML_TEST_FAULT=tp-no-reduce: ddp injects only grad-sum, no-grad-allreduce, "),
+    ("tp-no-reduce", "HPCML_TEST_FAULT=tp-no-reduce: ddp injects only grad-sum, accum-sum, no-grad-allreduce, "),
 ])
 def test_a_negative_control_that_would_change_nothing_is_refused(tmp_path, fault, fragment):
     """A control that silently does nothing would pass its test: on one process a gradient sum or a skipped

@@ -478,20 +478,32 @@ def test_a_recipe_that_does_not_apply_the_mask_refuses_instruction_data(chat_mod
                              "its loss mask (tokens.mask.bin, tokens.mask.idx) is missing or does not match its tokens")
 
 
-def test_ddp_on_instruction_data_matches_one_process_and_the_trainers_per_rank_mean_is_caught(chat_model, tmp_path):
-    """The loss of a step (and of an evaluation batch) is the cross-entropy summed over every trained token of the
-    global batch, divided by their number (harness/data.py: token_weight), whatever the layout. The rows hold 2 to 14 trained tokens,
-    so the ranks hold very different numbers: 2 DDP ranks match one process (tests/parity.toml's tolerance);
-    the negative control, each rank's own mean averaged over the ranks (Hugging Face Trainer's bug,
-    transformers #34191), is caught by more than 100x."""
+@pytest.fixture(scope="module")
+def sft_data(chat_model, tmp_path_factory) -> Path:
+    """Instruction data whose rows hold very different numbers of trained tokens (answers of 1 to 13 words,
+    2 to 14 trained tokens), for --seq-len 32: the prefix of its token file."""
     answers = [" ".join((["four", "seven", "blue"] * 5)[:(i * 5) % 13 + 1]) for i in range(16)]
     records = [{"prompt": ["what is two plus two", "name a colour"][i % 2], "completion": answer}
                for i, answer in enumerate(answers)]
-    prefix = tmp_path / "sft" / "tokens"
-    assert_ok(prepare_chat(chat_model, prefix, write_jsonl(tmp_path / "train.jsonl", *records),
+    directory = tmp_path_factory.mktemp("sft")
+    prefix = directory / "tokens"
+    assert_ok(prepare_chat(chat_model, prefix, write_jsonl(directory / "train.jsonl", *records),
                            options=["--seq-len", "32", "--valid-fraction", "0.1"]))
-    args = ["--data", str(prefix), "--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
-            "--log-every", "1", "--global-batch", "4", "--max-steps", "6", "--eval-every", "3", "--eval-batches", "2", *SGD]
+    return prefix
+
+
+SFT_ARGS = ["--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--log-every", "1", *SGD]
+
+
+def test_ddp_on_instruction_data_matches_one_process_and_the_trainers_per_rank_mean_is_caught(sft_data, tmp_path):
+    """The loss of a step (and of an evaluation batch) is the cross-entropy summed over every trained token of the
+    global batch, divided by their number (harness/data.py: token_weight), whatever the layout. The rows hold 2 to 14
+    trained tokens, so the ranks hold very different numbers: 2 DDP ranks match one process (tests/parity.toml's
+    tolerance); the negative control, each rank's own mean averaged over the ranks (Hugging Face Trainer's bug,
+    transformers #34191), is caught by more than 100x, and so is a run that ignores the mask (the prompts trained).
+    With --grad-accum 2 as well, against the Trainer's per-micro-batch mean."""
+    args = ["--data", str(sft_data), *SFT_ARGS, "--global-batch", "4", "--max-steps", "6", "--eval-every", "3",
+            "--eval-batches", "2"]
     assert_ok(run_single(tmp_path / "one", *args))
     reference = read_metrics(tmp_path / "one")
     assert_ok(run_torchrun(tmp_path / "two", 2, *args))
@@ -502,3 +514,86 @@ def test_ddp_on_instruction_data_matches_one_process_and_the_trainers_per_rank_m
     assert len(eval_losses(reference)) == 2 and max_relative_difference(eval_losses(parallel), eval_losses(reference)) <= PARITY_RTOL
     assert_ok(run_torchrun(tmp_path / "control", 2, *args, **fault("rank-mean-loss")))
     assert caught(max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)), PARITY_RTOL)
+    assert_ok(run_torchrun(tmp_path / "mask-ignored", 2, *args, **fault("mask-ignored")))  # (the prompts trained too)
+    assert caught(max_relative_difference(losses(read_metrics(tmp_path / "mask-ignored")), losses(reference)), PARITY_RTOL)
+    # --grad-accum: 2 ranks x 2 micro-batches of one row each, the same curve; the control, each micro-batch's own
+    # mean averaged (the Trainer's gradient-accumulation bug itself), on one process, caught as well
+    assert_ok(run_torchrun(tmp_path / "accum", 2, *args, "--grad-accum", "2"))
+    accumulated = read_metrics(tmp_path / "accum")
+    assert accumulated["grad_accum"] == 2 and accumulated["world_size"] == 2
+    assert max_relative_difference(losses(accumulated), losses(reference)) <= PARITY_RTOL
+    assert_ok(run_single(tmp_path / "accum-control", *args, "--grad-accum", "2", **fault("rank-mean-loss")))
+    assert caught(max_relative_difference(losses(read_metrics(tmp_path / "accum-control")), losses(reference)), PARITY_RTOL)
+
+
+def document_spans(positions) -> list[tuple[int, int]]:
+    """The [start, end) of each document in a packed row: a document starts where its position is 0."""
+    starts = [int(i) for i in np.flatnonzero(np.asarray(positions) == 0)]
+    return list(zip(starts, [*starts[1:], len(positions)]))
+
+
+def test_a_packed_conversations_logits_are_its_logits_alone_and_unconfined_packing_is_caught(sft_data, tiny_llama, monkeypatch):
+    """--pack: whole conversations share a window, each attending only to itself, at positions that restart with it.
+    For the GPT (recipes/gpt.py: document_mask) and a Hugging Face Llama (transformers' own packed position ids,
+    SDPA and eager attention), every conversation's logits inside a packed window equal its logits alone within
+    1e-5, and no target crosses from one conversation into the next (the packed epoch trains exactly the tokens
+    the padded one does). The control, packing as one sequence per window (HPCML_TEST_FAULT=pack-unconfined:
+    positions that do not restart, attention across conversations), differs by more than 1e-3 for every
+    conversation after a window's first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    from gpt import GPT, GPTConfig
+    from harness.data import ConversationData, IGNORE
+    from harness.hf_model import CausalLMLoss
+
+    packed, padded = ConversationData(sft_data, 32, seed=0, pack=True), ConversationData(sft_data, 32, seed=0)
+    summary = packed.packing_summary()
+    n_train = padded.samples_per_epoch  # (16 conversations, 2 of them the validation split)
+    assert summary["conversations"] == n_train == 14 and summary["windows"] == packed.samples_per_epoch
+    assert summary["windows"] <= 8 and summary["fill"] > 1.5 * padded.packing_summary()["fill"], summary
+    inputs, targets, positions = packed.global_batch(0, packed.samples_per_epoch)  # the whole epoch
+    assert int((targets != IGNORE).sum()) == int((padded.global_batch(0, n_train)[1] != IGNORE).sum())
+    for row in range(len(inputs)):
+        for start, end in document_spans(positions[row]):
+            assert end - start == 1 or int(targets[row, end - 1]) == IGNORE or end == inputs.shape[1]
+    assert max(len(document_spans(row)) for row in positions) >= 3
+
+    torch.manual_seed(0)
+    models = {"gpt": GPT(GPTConfig(vocab_size=32, seq_len=32, n_layer=2, n_head=2, n_embd=32))}
+    for attention in ("sdpa", "eager"):
+        models[f"llama-{attention}"] = CausalLMLoss(AutoModelForCausalLM.from_pretrained(
+            tiny_llama, dtype=torch.float32, attn_implementation=attention), 32)
+    monkeypatch.setenv("HPCML_TEST_FAULT", "pack-unconfined")
+    unconfined = ConversationData(sft_data, 32, seed=0, pack=True).global_batch(0, packed.samples_per_epoch)[2]
+    monkeypatch.delenv("HPCML_TEST_FAULT")
+    with torch.no_grad():
+        for name, model in models.items():
+            model.eval()
+            confined_logits, unconfined_logits = model.logits(inputs, positions), model.logits(inputs, unconfined)
+            worst, least_control = 0.0, float("inf")
+            for row in range(len(inputs)):
+                for index, (start, end) in enumerate(document_spans(positions[row])):
+                    alone = model.logits(inputs[row:row + 1, start:end])[0]
+                    worst = max(worst, float((confined_logits[row, start:end] - alone).abs().max()))
+                    if index > 0 and int(inputs[row, start]) != 0:  # (a conversation after the first; not padding)
+                        least_control = min(least_control, float((unconfined_logits[row, start:end] - alone).abs().max()))
+            assert worst <= 1e-5, (name, worst)
+            assert least_control > 1e-3, (name, least_control)
+
+
+def test_ddp_packed_matches_one_process_with_the_gpt_and_a_hugging_face_model(sft_data, tiny_llama, tmp_path):
+    """--pack under DDP, the GPT (2 ranks x 2 micro-batches) and a Hugging Face Llama (its position ids through
+    the DDP wrapper): 2 ranks match one process within tests/parity.toml's tolerance, on windows that hold
+    several conversations (the run records how full they are)."""
+    for model, accumulate in (("gpt", ["--grad-accum", "2"]), (f"hf:{tiny_llama}", [])):
+        args = ["--data", str(sft_data), *SFT_ARGS, "--global-batch", "4", "--max-steps", "4", "--pack",
+                "--model", model, "--vocab-size", "256"]
+        out = tmp_path / model.split(":")[0]
+        assert_ok(run_single(out / "one", *args))
+        assert_ok(run_torchrun(out / "two", 2, *args, *accumulate))
+        reference, parallel = read_metrics(out / "one"), read_metrics(out / "two")
+        assert parallel["world_size"] == 2 and parallel["model_wrapper"] == "DistributedDataParallel"
+        assert parallel["conversations"]["packed"] and parallel["conversations"]["fill"] > 0.5, parallel["conversations"]
+        assert len(losses(reference)) == 4 and max_relative_difference(losses(parallel), losses(reference)) <= PARITY_RTOL

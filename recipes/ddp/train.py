@@ -30,6 +30,13 @@ On real text (recipes/data/prepare.py writes the token file), evaluated on its v
 
     make data && torchrun --standalone --nproc_per_node=2 recipes/ddp/train.py --data data/stdlib/tokens --eval-every 10
 
+Instruction tuning: chat or prompt/completion JSONL rendered with the model's own chat template, only the
+answers trained, whole conversations packed into each window (docs/instruction-tuning.md):
+
+    python recipes/data/prepare.py --chat $SCRATCH/models/my-llama --seq-len 2048 --out data/sft/tokens chats.jsonl
+    torchrun --standalone --nproc_per_node=2 recipes/ddp/train.py --model hf:$SCRATCH/models/my-llama \
+        --vocab-size 32000 --data data/sft/tokens --seq-len 2048 --pack
+
 Your model instead of the GPT (harness/model.py: the contract): a Hugging Face causal LM saved in a directory
 (fine-tuning, offline), or your own module:
 
@@ -40,6 +47,7 @@ Your model instead of the GPT (harness/model.py: the contract): a Hugging Face c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -54,13 +62,15 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "ddp"
 # The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
-FAULTS = ("grad-sum", "no-grad-allreduce", "rank-mean-loss", "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart",
-          "track-every-step")
+FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "rank-mean-loss", "mask-ignored", "pack-unconfined",
+          "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "track-every-step")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.new_parser(__doc__)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step, summed over all ranks")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="M",
+                   help="micro-batches per step on each rank (the global batch in M parts: less activation memory)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
@@ -76,9 +86,11 @@ def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec
     harness.validate_run(args, world_size)
     harness.check_model_vocabulary(model, args.vocab_size)
     harness.check_export_option(args, model)
-    harness.require_at_least_one(args, "global_batch")
+    harness.require_at_least_one(args, "global_batch", "grad_accum")
     harness.require_positive(args, "lr")
-    harness.require_divisible("--global-batch", args.global_batch, world_size, f"the world size {world_size}")
+    harness.require_divisible("--global-batch", args.global_batch, world_size * args.grad_accum,
+                              f"the world size {world_size}" if args.grad_accum == 1 else
+                              f"the world size {world_size} x --grad-accum {args.grad_accum}")
 
 
 def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
@@ -92,7 +104,7 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
     capacity = harness.memory.gpu_memory(args.estimate_memory)  # (a GPU name it knows, before any work)
     device = harness.setup_torch_distributed(env, args.timeout_s)[0] if measured else torch.device("cpu")
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    rows = args.global_batch // world
+    rows = args.global_batch // (world * args.grad_accum)  # (a micro-batch's: activations are the micro-batch's)
     with harness.memory.fake_tensors(not measured):
         torch.manual_seed(args.seed)
         model = spec.build()
@@ -118,10 +130,12 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
     code = 0
     if env.rank == 0:
         code = harness.memory.report(
-            RECIPE, peak, args.estimate_memory, f"DDP on {world} ranks, {rows} rows of {args.seq_len} tokens per rank, "
+            RECIPE, peak, args.estimate_memory, f"DDP on {world} ranks, {rows} rows of {args.seq_len} tokens per rank"
+            f"{f' and micro-batch (--grad-accum {args.grad_accum})' if args.grad_accum > 1 else ''}, "
             f"{str(dtype).removeprefix('torch.')}, {args.optimizer}", measured,
             ["FSDP2 instead of DDP (recipes/fsdp_tp_pp: parameters, gradients and optimizer state sharded over the ranks)",
-             f"fewer rows per rank (a smaller --global-batch than {args.global_batch}, or more ranks)"])
+             f"fewer rows per rank (more --grad-accum micro-batches, a smaller --global-batch than {args.global_batch}, "
+             "or more ranks)"])
         if args.estimate_json:
             args.estimate_json.write_text(json.dumps({"world": world, "layout": {"dp": world}, "rows": rows,
                                                       "gpu": args.estimate_memory, "gpu_bytes": capacity,
@@ -172,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     optimizer = harness.torch_optimizer(raw_model.parameters(), args.optimizer, args.lr)
     fault = harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=env.world_size,
-                                  ddp_model=model if env.world_size > 1 else None, optimizers=[optimizer],
-                                  applies={"rank-mean-loss": env.world_size > 1 and harness.masked_data(args)})  # (tests only)
+                                  micro_batches=args.grad_accum, ddp_model=model if env.world_size > 1 else None,
+                                  optimizers=[optimizer],
+                                  applies={"rank-mean-loss": env.world_size * args.grad_accum > 1 and harness.masked_data(args),
+                                           "mask-ignored": harness.masked_data(args), "pack-unconfined": args.pack})  # (tests)
 
     start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if checkpoint:
@@ -184,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
+    data = harness.training_data(args)  # --data: synthetic or a token file (instruction data: conversations)
+    masked = harness.masked_data(args)  # a loss mask: every trained token of the global batch weighs the same
     run_info = {**harness.describe_run(env, backend, device, type(model).__name__, dp=env.world_size),
-                "hostnames": hostnames, "dtype": str(dtype), "model": spec.name}
+                "hostnames": hostnames, "dtype": str(dtype), "model": spec.name, "grad_accum": args.grad_accum,
+                **({"conversations": data.packing_summary()} if masked else {})}  # (how full --pack's windows are)
     metrics = harness.start_metrics(RECIPE, args, run_info, resumed, logging_rank=is_rank0, devices=env.world_size,
                                     size=harness.model_size(raw_model),
                                     peak=harness.peak_flops(device, dtype, args.peak_tflops))
@@ -196,9 +215,6 @@ def main(argv: list[str] | None = None) -> int:
                 "step": step, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                 "rng": harness.rng_state(), **metrics.checkpoint_state(), **must_match})
             metrics.write()
-
-    # Instruction data (a loss mask): every trained token of the global batch weighs the same, on any layout
-    masked = harness.masked_data(args)
 
     def weighed(inputs, targets):  # (instruction data's evaluation: the batch's loss over its trained tokens)
         return raw_model(inputs, targets) * harness.token_weight(targets, env.world_size).to(device)
@@ -215,18 +231,28 @@ def main(argv: list[str] | None = None) -> int:
         return harness.mean_across_ranks(loss, env.world_size)
 
     # ---- training loop
-    data = harness.training_data(args)  # --data: synthetic or a token file
     run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
                                    env.rank, env.world_size, device)  # (--data-workers: read ahead)
-    for step, (inputs, targets) in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            with harness.phase("forward"):
-                loss = model(inputs, targets)  # the mean over this rank's trained targets
-                if masked and fault != "rank-mean-loss":
-                    loss = loss * harness.token_weight(targets, env.world_size)
-            with harness.phase("backward"):
-                loss.backward()  # DDP averages the gradients across ranks here, overlapped with backward
+    for step, batch in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
+        # this rank's rows in --grad-accum micro-batches: (inputs, targets), and --pack's positions, which keep
+        # attention within each conversation
+        micro_batches = list(zip(*(part.chunk(args.grad_accum) for part in batch)))
+        # what each micro-batch's mean loss weighs: 1/M, or (instruction data) its share of the global batch's
+        # trained tokens, so that every trained token weighs the same on any layout
+        weights = (harness.token_weights([targets for _, targets, *_ in micro_batches], env.world_size)
+                   if masked and fault != "rank-mean-loss" else [1 / args.grad_accum] * args.grad_accum)
+        loss = 0.0
+        for micro, ((inputs, targets, *positions), weight) in enumerate(zip(micro_batches, weights)):
+            # DDP all-reduces the gradients in the last micro-batch's backward only: no_sync() before it
+            last = micro == args.grad_accum - 1
+            with contextlib.nullcontext() if last or env.world_size == 1 else model.no_sync():
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    with harness.phase("forward"):
+                        micro_loss = model(inputs, targets, *positions) * weight  # (the mean over its trained targets)
+                with harness.phase("backward"):
+                    micro_loss.backward()  # the last one: DDP averages the gradients across ranks, overlapped
+            loss = loss + micro_loss.detach()
         with harness.phase("optimizer"):
             norm = harness.clip_gradients(raw_model.parameters(), args.clip_grad)  # (--clip-grad; the norm for the logs)
             lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps

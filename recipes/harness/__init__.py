@@ -38,7 +38,7 @@ from .cli import (
 from . import faults, memory
 from .errors import ConfigError, stderr_line
 from .data import (ConversationData, masked_data, numpy_batches, numpy_token_batch, step_batches, SyntheticTokens, tf_step_batches,
-                   token_weight, TokenFileData, training_data, validation_data)
+                   token_weight, token_weights, TokenFileData, training_data, validation_data)
 from .launch import (
     all_hostnames, check_expected_world_size, detect_dist_env, DistEnv, expand_hostlist,
     EXPECTED_WORLD_SIZE_ENV, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
@@ -68,7 +68,7 @@ __all__ = [
     "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
     "save_sharded_checkpoint", "setup_torch_distributed", "ShardedCheckpoints", "staging_checkpoint_dir", "start_metrics",
     "stderr_line", "step_batches", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir",
-    "tf_step_batches", "token_weight", "TokenFileData", "ConversationData", "masked_data",
+    "tf_step_batches", "token_weight", "token_weights", "TokenFileData", "ConversationData", "masked_data",
     "torch_optimizer", "training_data", "TRAINER_STATE", "TrainingRun",
     "transformer_flops_per_token", "validate_run", "validation_data", "validation_loss",
 ]

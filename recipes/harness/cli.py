@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Callable
 
-from .data import check_data_option, user_dataset
+from .data import check_data_option, masked_data, user_dataset
 from .errors import ConfigError, stderr_line
 from .image_checks import check_compiler, check_network_plugin
 from .launch import (check_gpus_visible, check_ranks_per_gpu, exit_after_leaving_the_group, exit_on_collective_failure,
@@ -130,7 +130,7 @@ def schedule_identity(args: argparse.Namespace) -> dict:
             **({"schedule_end_step": args.max_steps} if args.lr_schedule == "cosine" else {})}
 
 
-def add_data_options(p: argparse.ArgumentParser, user_datasets: bool = False) -> None:
+def add_data_options(p: argparse.ArgumentParser, user_datasets: bool = False, instruction_data: bool = False) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default="synthetic", metavar="PREFIX",
                    help="synthetic (default), or a token file: PREFIX.bin/.idx/.json as recipes/data/prepare.py "
@@ -140,6 +140,10 @@ def add_data_options(p: argparse.ArgumentParser, user_datasets: bool = False) ->
         g.add_argument("--dataset", default=None, metavar="MODULE:FACTORY",
                        help="your own data: FACTORY(args, split) -> a map-style torch Dataset of (inputs, targets) "
                             "tensor pairs, for split 'train' and 'validation' (e.g. recipes/examples/fields.py:dataset)")
+    if instruction_data:
+        g.add_argument("--pack", action="store_true",
+                       help="instruction data (prepare.py --chat): pack whole conversations into each --seq-len window "
+                            "instead of one padded conversation per row; attention stays within each conversation")
     g.add_argument("--seq-len", type=int, default=64)
     g.add_argument("--vocab-size", type=int, default=256)
     g.add_argument("--data-workers", type=int, default=-1, metavar="N",
@@ -177,7 +181,7 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
     the recipe takes --model, --dataset, --export-hf and --lora-rank (which it refuses unless ``lora``).
     ``collective_timeout``: --timeout-s (PyTorch's groups); ``profile``: --profile (torch.profiler)."""
     add_run_options(p, recipe, collective_timeout, profile)
-    add_data_options(p, user_datasets=model_options is not None)
+    add_data_options(p, user_datasets=model_options is not None, instruction_data=loss_masks)
     if model_options is not None:
         add_model_options(p)
         model_options(p)
@@ -197,6 +201,13 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
     else:
         check_data_option(args.data, args.vocab_size, args.seq_len, evaluates=args.eval_every > 0,
                           loss_masks=recipe if not loss_masks else None)
+    if getattr(args, "pack", False):
+        if args.model != "gpt" and not args.model.startswith("hf:"):
+            raise ConfigError(f"--pack needs a model that takes each token's position in its conversation (gpt, hf:DIR); "
+                              f"--model {args.model} takes (inputs, targets): leave out --pack")
+        if not masked_data(args):
+            raise ConfigError("--pack packs instruction data's conversations (a --data prepared with prepare.py --chat); "
+                              "other data is packed already (a token file is cut into full windows): leave out --pack")
     return args
 
 

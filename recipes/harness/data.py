@@ -56,10 +56,9 @@ class GlobalBatches:
         raise NotImplementedError
 
     def local_batch(self, step: int, global_batch_size: int, rank: int, world_size: int):
-        inputs, targets = self.global_batch(step, global_batch_size)
         per_rank = global_batch_size // world_size
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        return inputs[rows], targets[rows]
+        return tuple(part[rows] for part in self.global_batch(step, global_batch_size))  # (inputs, targets[, positions])
 
 
 class SyntheticTokens(GlobalBatches):
@@ -300,12 +299,21 @@ IGNORE = -100  # a target the loss leaves out: PyTorch's cross_entropy ignore_in
 
 
 class ConversationData(GlobalBatches):
-    """Instruction data (prepare.py --chat: a token file with a loss mask): sample k of an epoch is one
-    conversation, in a seeded order per epoch, padded to --seq-len + 1 tokens (pad id 0). Its targets are the
-    next tokens where the mask says trained, and IGNORE elsewhere (the prompts, the padding). As with a token
-    file, step s takes samples s * batch onwards and rank r its rows: the data depends on the step only."""
+    """Instruction data (prepare.py --chat: a token file with a loss mask). Its targets are the next tokens
+    where the mask says trained, and IGNORE elsewhere (the prompts, the padding). As with a token file, step s
+    takes samples s * batch onwards, in a seeded order per epoch, and rank r its rows: the data depends on the
+    step only. A sample is a window of --seq-len + 1 tokens:
 
-    def __init__(self, prefix: str | Path, seq_len: int, seed: int, split: str = "train"):
+    - by default one conversation, padded (pad id 0): a row's compute is spent on padding as much as the
+      conversations are shorter than the window;
+    - with ``pack`` (--pack), as many whole conversations as fit, packed once in a seeded order (each next
+      one into the current window, or a new window where it does not fit). ``global_batch`` then also gives
+      each token's position in its conversation, which restarts at 0 with each one: the model keeps attention
+      within a conversation (recipes/gpt.py document_mask; Hugging Face's models from the position ids), and
+      no token is trained on the one that ends the conversation before it.
+    """
+
+    def __init__(self, prefix: str | Path, seq_len: int, seed: int, split: str = "train", pack: bool = False):
         import numpy as np
 
         meta = read_token_file_meta(prefix)
@@ -314,27 +322,66 @@ class ConversationData(GlobalBatches):
         self.starts = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))])[first:last + 1]
         self.tokens = np.memmap(f"{prefix}.bin", dtype=meta["dtype"], mode="r")
         self.mask = np.memmap(f"{prefix}{LOSS_MASK_SUFFIX}.bin", dtype=np.uint8, mode="r")
-        self.meta, self.seq_len, self.seed = meta, seq_len, seed
-        self.samples_per_epoch = last - first
+        self.meta, self.seq_len, self.seed, self.pack = meta, seq_len, seed, pack
+        self.windows = self._pack(lengths[first:last]) if pack else None  # each window's conversations
+        self.samples_per_epoch = len(self.windows) if pack else last - first
         self._order = None
 
     order = TokenFileData.order  # (the same seeded permutation per epoch, computed once per epoch)
 
-    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pack(self, lengths) -> list[list[int]]:
+        """The conversations in a seeded order, each into the current window or, where it does not fit, a new
+        one. (Conversations are at most --seq-len + 1 tokens: check_data_option.)"""
+        import numpy as np
+
+        window, windows, free = self.seq_len + 1, [], 0
+        order = np.random.default_rng([self.seed, 1]).permutation(len(lengths))  # (the epochs' orders seed with one int)
+        for conversation in order:
+            length = min(int(lengths[conversation]), window)
+            if length > free:
+                windows.append([])
+                free = window
+            windows[-1].append(int(conversation))
+            free -= length
+        return windows
+
+    def packing_summary(self) -> dict:
+        """How full the windows are: what --pack saves (and the same figure without it, for the logs)."""
+        trained_or_context = int(self.starts[-1] - self.starts[0])
+        return {"packed": self.pack, "conversations": len(self.starts) - 1, "windows": self.samples_per_epoch,
+                "fill": round(trained_or_context / (self.samples_per_epoch * (self.seq_len + 1)), 3)}
+
+    def global_batch(self, step: int, batch_size: int):
+        """(inputs, targets) of step ``step``, and with --pack each input token's position in its conversation."""
         import numpy as np
         import torch
 
         window = self.seq_len + 1
         tokens, trained = np.zeros((batch_size, window), np.int64), np.zeros((batch_size, window), bool)
+        positions, document = np.zeros((batch_size, window), np.int64), np.full((batch_size, window), -1)
         for row, sample in enumerate(range(step * batch_size, (step + 1) * batch_size)):
-            epoch, position = divmod(sample, self.samples_per_epoch)
-            conversation = self.order(epoch)[position]
-            first, end = self.starts[conversation], self.starts[conversation + 1]
-            length = min(int(end - first), window)
-            tokens[row, :length] = self.tokens[first:first + length]
-            trained[row, :length] = self.mask[first:first + length] == 1
-        targets = np.where(trained[:, 1:], tokens[:, 1:], IGNORE)
-        return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(targets)
+            epoch, index = divmod(sample, self.samples_per_epoch)
+            sample_index = int(self.order(epoch)[index])
+            at = 0
+            for conversation in (self.windows[sample_index] if self.pack else [sample_index]):
+                first, end = self.starts[conversation], self.starts[conversation + 1]
+                length = min(int(end - first), window - at)
+                tokens[row, at:at + length] = self.tokens[first:first + length]
+                trained[row, at:at + length] = self.mask[first:first + length] == 1
+                if faults.active("mask-ignored"):  # (a negative control: the prompts trained as if they were answers)
+                    trained[row, at:at + length] = True
+                positions[row, at:at + length] = np.arange(length)
+                document[row, at:at + length] = conversation
+                at += length
+        # a target is trained where the mask says so and it continues the input's own conversation
+        continues = document[:, 1:] == document[:, :-1]
+        targets = np.where(trained[:, 1:] & continues, tokens[:, 1:], IGNORE)
+        inputs, targets = torch.from_numpy(tokens[:, :-1]), torch.from_numpy(targets)
+        if not self.pack:
+            return inputs, targets
+        if faults.active("pack-unconfined"):  # (a negative control: packing as if the window were one sequence)
+            positions[:] = np.arange(window)
+        return inputs, targets, torch.from_numpy(positions[:, :-1])
 
 
 def masked_data(args) -> bool:
@@ -342,20 +389,27 @@ def masked_data(args) -> bool:
     return not getattr(args, "dataset", None) and args.data != "synthetic" and "loss_mask" in read_token_file_meta(args.data)
 
 
-def token_weight(targets: torch.Tensor, world_size: int) -> torch.Tensor:
-    """What scales this rank's mean loss over its trained targets (targets != IGNORE) so that the gradient the
-    data-parallel ranks average is the one of the global batch's loss: the sum of the cross-entropy over every
-    trained token of the global batch, divided by their number. Rows hold very different numbers of trained
-    tokens, and a mean of per-rank means weighs a token of a short answer more than one of a long one (the
-    Hugging Face Trainer's bug, transformers #34191): weight = local tokens x world size / global tokens."""
+def token_weights(micro_targets: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+    """What scales each of this rank's micro-batch losses (each the mean over its trained targets, targets !=
+    IGNORE) so that the gradient DDP averages over the data-parallel ranks is the one of the global batch's
+    loss: the sum of the cross-entropy over every trained token of the global batch (every rank, every
+    micro-batch), divided by their number. Rows hold very different numbers of trained tokens, and a mean of
+    per-rank or per-micro-batch means weighs a token of a short answer more than one of a long one (the
+    Hugging Face Trainer's bug, transformers #34191): weight = the micro-batch's tokens x world size / the
+    global batch's tokens. One all-reduce of the count per step."""
     import torch
     import torch.distributed as dist
 
-    local = (targets != IGNORE).sum().to(torch.float64)
-    total = local.clone()
+    local = torch.stack([(targets != IGNORE).sum() for targets in micro_targets]).to(torch.float64)
+    total = local.sum()
     if world_size > 1:
         dist.all_reduce(total)
-    return (local * world_size / total).to(torch.float32)
+    return list((local * world_size / total).to(torch.float32).unbind())
+
+
+def token_weight(targets: torch.Tensor, world_size: int) -> torch.Tensor:
+    """token_weights of one batch (an evaluation batch: no micro-batches)."""
+    return token_weights([targets], world_size)[0]
 
 
 class DatasetBatches(GlobalBatches):
@@ -426,7 +480,7 @@ def training_data(args) -> SyntheticTokens | TokenFileData | DatasetBatches:
     if args.data == "synthetic":
         return SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
     if masked_data(args):
-        return ConversationData(args.data, args.seq_len, args.seed)
+        return ConversationData(args.data, args.seq_len, args.seed, pack=getattr(args, "pack", False))
     return TokenFileData(args.data, args.seq_len, args.seed)
 
 
@@ -476,8 +530,8 @@ def step_batches(data: GlobalBatches, args, steps: range, global_batch: int, ran
         batches = torch.utils.data.DataLoader(rows, batch_size=None, shuffle=False, num_workers=workers,
                                               pin_memory=device.type == "cuda", prefetch_factor=2,
                                               worker_init_fn=_ignore_stop_signals)
-    for inputs, targets in batches:
-        yield inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    for batch in batches:  # (inputs, targets), and packed instruction data's positions (ConversationData)
+        yield tuple(part.to(device, non_blocking=True) for part in batch)
 
 
 def validation_data(args) -> SyntheticTokens | TokenFileData | DatasetBatches:

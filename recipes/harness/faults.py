@@ -19,9 +19,15 @@ fault then enters through the framework's own hooks:
     schedule-restart       a resumed run starts its learning-rate schedule again (harness/run.py)
     track-every-step       W&B and MLflow receive each step as it is logged, not when a checkpoint holds it
                            (a resume after a crash then records the steps since the checkpoint twice)
-    rank-mean-loss         instruction data's loss as each rank's mean over its own trained tokens, averaged over
-                           the ranks (Hugging Face Trainer's bug), not the global batch's sum over its trained
-                           tokens (the recipe reads it where it weighs the loss: harness/data.py token_weight)
+    rank-mean-loss         instruction data's loss as each rank's (and micro-batch's) mean over its own trained
+                           tokens, averaged (Hugging Face Trainer's bug), not the global batch's sum over its
+                           trained tokens (the recipe reads it where it weighs the loss: harness/data.py
+                           token_weights)
+    mask-ignored           instruction data's loss mask ignored: every token of a conversation trained, prompts
+                           too (harness/data.py ConversationData)
+    pack-unconfined        packed instruction data (--pack) given to the model as one sequence per window: its
+                           positions do not restart at each conversation, and attention crosses conversations
+                           (harness/data.py ConversationData)
     batch-p2p-with-vp      Megatron's batched p2p with virtual stages at PP 2 let through, which the recipe
                            refuses (it trains on swapped activations; recipes/megatron_tp_pp/layout.py)
 
@@ -42,7 +48,7 @@ from .errors import ConfigError
 FAULT_ENV = "HPCML_TEST_FAULT"
 FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "tp-no-reduce", "pp-loss-unscaled", "last-microbatch-loss",
           "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "batch-p2p-with-vp",
-          "track-every-step", "rank-mean-loss")
+          "track-every-step", "rank-mean-loss", "mask-ignored", "pack-unconfined")
 
 
 def active(name: str) -> bool:

@@ -25,9 +25,15 @@ class CausalLMLoss(torch.nn.Module):
         super().__init__()
         self.model, self.seq_len = model, seq_len
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids=inputs, use_cache=False).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return F.cross_entropy(self.logits(inputs, positions).float().flatten(0, 1), targets.flatten())
+
+    def logits(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: rows that pack several documents (--pack), each token's position in its document.
+        Given position ids and no attention mask, transformers confines attention to each document itself
+        (masking_utils.find_packed_sequence_indices: a document starts where a position does not follow the
+        one before), for its eager and SDPA attention as for flash attention's varlen kernels."""
+        return self.model(input_ids=inputs, position_ids=positions, use_cache=False).logits
 
     @property
     def base(self) -> torch.nn.Module:
