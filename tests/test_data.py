@@ -597,3 +597,42 @@ def test_ddp_packed_matches_one_process_with_the_gpt_and_a_hugging_face_model(sf
         assert parallel["world_size"] == 2 and parallel["model_wrapper"] == "DistributedDataParallel"
         assert parallel["conversations"]["packed"] and parallel["conversations"]["fill"] > 0.5, parallel["conversations"]
         assert len(losses(reference)) == 4 and max_relative_difference(losses(parallel), losses(reference)) <= PARITY_RTOL
+
+
+def test_an_exported_instruction_tuned_model_answers_in_the_tuned_format(chat_model, tmp_path):
+    """--export-hf after instruction tuning writes the tokenizer with its chat template beside the weights, so
+    from_pretrained + apply_chat_template + generate answer as the model was tuned to. A tiny Llama on the chat
+    tokenizer's ids, trained on questions whose answer is always "blue again" (packed, 2 ranks): greedy
+    generation after the template's generation prompt returns "blue again <|end|>"; the untrained model, read
+    the same way, does not."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    source = tmp_path / "chat-llama"
+    shutil.copytree(chat_model, source)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(CHAT_WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+                     ).save_pretrained(source)
+    questions = ["what is two plus two", "name a colour", "what is the sky", "be brief", "name the sky again"]
+    records = [{"prompt": question, "completion": "blue again"} for question in questions * 4]
+    prefix = tmp_path / "sft" / "tokens"
+    assert_ok(prepare_chat(source, prefix, write_jsonl(tmp_path / "train.jsonl", *records), options=["--seq-len", "16"]))
+    exported = tmp_path / "tuned"
+    assert_ok(run_torchrun(tmp_path / "run", 2, "--model", f"hf:{source}", "--vocab-size", str(len(CHAT_WORDS)), "--data",
+                           str(prefix), "--seq-len", "16", "--pack", "--global-batch", "4", "--max-steps", "30", "--lr", "1e-2",
+                           "--checkpoint-every", "0", "--no-resume", "--export-hf", str(exported)))
+    assert (exported / "tokenizer_config.json").is_file()
+
+    def answer(directory: Path) -> str:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "what is the sky"}], add_generation_prompt=True,
+                                               return_dict=True, return_tensors="pt")["input_ids"]
+        assert tokenizer.decode(prompt[0]) == "<|user|> what is the sky <|end|> <|assistant|>"  # (the template's own)
+        with torch.no_grad():
+            generated = model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        return tokenizer.decode(generated[0, prompt.shape[1]:])
+
+    assert answer(exported) == "blue again <|end|>"
+    assert answer(source) != "blue again <|end|>"
