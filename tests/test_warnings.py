@@ -1,5 +1,6 @@
 """A clean run prints no warnings: every recipe, on one process (trained, checkpointed, then resumed) and on two
-ranks, logs no warning line that the project could avoid. A warning in every job log teaches users to
+ranks (in the default tier: a parity row per recipe with the "quiet" check, tests/parity.toml), logs no warning
+line that the project could avoid. A warning in every job log teaches users to
 ignore warnings; the ones the frameworks print without a cause the recipe could remove are listed here, each
 with why, and nothing else may appear.
 """
@@ -104,6 +105,31 @@ def test_one_process_trains_evaluates_checkpoints_and_resumes_without_a_warning(
     assert f"eval loss {evaluated[-1]:.4f}" in resumed.stdout and f"eval loss {evaluated[0]:.4f}" in first.stdout
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+# Where a parity row checks a recipe's 2 ranks for warnings (tests/parity.toml: its "quiet" check, real processes
+# that train, evaluate and checkpoint as these do), the default tier makes that one launch, not two. accelerate and
+# DeepSpeed keep theirs: their rows launch with `accelerate launch` and no config file (which warns about its
+# defaults; slurm/accelerate.sh passes one) and with plain SGD (which DeepSpeed's ZeRO warns is untested).
+QUIET_PARITY_ROW = {"ddp": "ddp-sgd", "megatron_tp_pp": "megatron-tp2", "fsdp_tp_pp": "tp2", "horovod": "horovod-gloo",
+                    "horovod/train_torch.py": "horovod-torch", "tf_mirrored": "mirrored"}
+
+
+TWO_RANK_RECIPES = [pytest.param(recipe, marks=[*([pytest.mark.tensorflow] if python == str(TF_PYTHON) else []),
+                                                 *([pytest.mark.full] if recipe in QUIET_PARITY_ROW else [])])
+                    for recipe, (python, *_) in RUNS.items()]
+
+
+@pytest.mark.parametrize("recipe", TWO_RANK_RECIPES)
 def test_two_ranks_train_without_a_warning(recipe, tmp_path):
     assert warnings_in(start(recipe, 2, tmp_path, "--max-steps", "2", *RUNS[recipe][3])) == []
+
+
+def test_the_two_rank_runs_left_to_parity_rows_are_checked_there():
+    """Each recipe whose 2-rank warning check is a parity row's: the row exists, is that recipe on 2 ranks, not a
+    negative control, and checks the log ("quiet"). Removing the check from the row fails here."""
+    import tomllib
+
+    rows = {row["id"]: row for row in tomllib.loads((REPO / "tests" / "parity.toml").read_text())["layouts"]}
+    for recipe, row_id in QUIET_PARITY_ROW.items():
+        row = rows[row_id]
+        assert row["recipe"] == recipe.replace("/train_torch.py", "_torch") and row["ranks"] == 2, row
+        assert "quiet" in row.get("checks", []) and "fault" not in row, row
