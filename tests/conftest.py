@@ -17,6 +17,7 @@ from support.cluster import (CLUSTER_DIR, CLUSTER_NODES, CLUSTER_SCRIPT, CLUSTER
                              PODMAN_HPC_PREFIX, PODMAN_HPC_STORE_LOCK, SITE_ENV, ClusterUser, copy_checkout,
                              image_fixture, podman_hpc_migrate, podman_hpc_store_lock)
 from support import megatron_shim, timings
+from support.chat import prepare_chat, save_chat_tokenizer, uneven_answers, write_jsonl
 from support.runs import PLACEHOLDER_GPUS, REPO, container_env, recipe_env, run
 
 
@@ -179,6 +180,23 @@ LlamaForCausalLM(config).save_pretrained({str(directory)!r})
     assert (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # (a tokenizer file to carry)
     return directory
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> Path:
+    """A model directory's tokenizer files with a chat template, as an instruct model ships them (support/chat.py)."""
+    return save_chat_tokenizer(tmp_path_factory.mktemp("chat-model"))
+
+
+@pytest.fixture(scope="session")
+def sft_data(chat_model, tmp_path_factory) -> Path:
+    """Instruction data for --seq-len 32 whose conversations hold 2 to 14 trained tokens each (support/chat.py:
+    uneven_answers), 14 for training and 2 for validation: the prefix of its token file."""
+    directory = tmp_path_factory.mktemp("sft")
+    prepared = prepare_chat(chat_model, directory / "tokens", write_jsonl(directory / "train.jsonl", *uneven_answers()),
+                            options=["--seq-len", "32", "--valid-fraction", "0.1"])
+    assert prepared.returncode == 0, prepared.stdout + prepared.stderr
+    return directory / "tokens"
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from support.curves import caught, eval_losses, losses, max_relative_difference, PARITY_RTOL, read_metrics
+from support.chat import CHAT_WORDS, prepare_chat, write_jsonl
 from support.runs import assert_ok, fault, recipe_env, python, REPO, run, run_single, run_torchrun, torchrun
 
 PREPARE = REPO / "recipes" / "data" / "prepare.py"
@@ -322,36 +323,6 @@ def test_a_resume_mid_epoch_continues_the_same_curve(tmp_path):
 
 # ---- instruction data (prepare.py --chat, recipes/data/instructions.py): conversations, chat template, loss mask
 
-CHAT_WORDS = ["<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "be", "brief", "what", "is", "two", "plus",
-              "four", "and", "three", "seven", "name", "a", "colour", "blue", "the", "sky", "again"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
-    """A model directory's tokenizer files with a chat template, as an instruct model ships them: a word-level
-    tokenizer (id = position in CHAT_WORDS, so the test reads tokens back without it), saved by transformers."""
-    directory = tmp_path_factory.mktemp("chat-model")
-    made = run([sys.executable, "-c", f"""
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-words = {CHAT_WORDS!r}
-tokenizer = Tokenizer(models.WordLevel({{w: i for i, w in enumerate(words)}}, unk_token="<unk>"))
-tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<|end|>")
-fast.chat_template = {CHAT_TEMPLATE!r}
-fast.save_pretrained({str(directory)!r})
-"""], env=recipe_env(), timeout=300)
-    assert made.returncode == 0, made.stderr
-    return directory
-
-
-def write_jsonl(path: Path, *records) -> Path:
-    path.write_text("".join((record if isinstance(record, str) else json.dumps(record)) + "\n" for record in records))
-    return path
-
-
 CONVERSATIONS = [
     {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two plus two"},
                   {"role": "assistant", "content": "four"}, {"role": "user", "content": "and three plus four"},
@@ -359,11 +330,6 @@ CONVERSATIONS = [
     {"prompt": "name a colour", "completion": "blue"},
     {"prompt": "what is the sky", "completion": "blue again"},
 ]
-
-
-def prepare_chat(chat_model: Path, out: Path, *inputs: Path, options=()) -> subprocess.CompletedProcess:
-    return run([sys.executable, str(PREPARE), "--chat", str(chat_model), "--out", str(out), *map(str, inputs), *options],
-               env=recipe_env(HF_HUB_OFFLINE="1"), timeout=300)
 
 
 def read_documents_and_masks(prefix: Path) -> list[tuple[list[str], list[int]]]:
@@ -467,10 +433,15 @@ def test_a_recipe_that_does_not_apply_the_mask_refuses_instruction_data(chat_mod
                            options=["--seq-len", "32"]))
     from support.runs import assert_preflight_refuses, DDP_RECIPE
 
-    fsdp = REPO / "recipes" / "fsdp_tp_pp" / "train.py"
-    assert_preflight_refuses(fsdp, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "32"],
-                             "is instruction data with a loss mask (prepare.py --chat), which fsdp_tp_pp does not apply "
-                             "yet: train it with recipes/ddp")
+    megatron = REPO / "recipes" / "megatron_tp_pp" / "train.py"
+    assert_preflight_refuses(megatron, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "32"],
+                             "is instruction data with a loss mask (prepare.py --chat), which megatron_tp_pp does not apply "
+                             "yet: train it with recipes/ddp, accelerate, deepspeed or fsdp_tp_pp")
+    fsdp, deepspeed = (REPO / "recipes" / name / "train.py" for name in ("fsdp_tp_pp", "deepspeed"))
+    assert_preflight_refuses(fsdp, tmp_path / "run", 2, ["--data", str(prefix), "--seq-len", "32", "--tp", "1", "--pp", "2"],
+                             "which a pipeline (--pp 2) does not weigh by trained tokens yet: train it with --pp 1")
+    assert_preflight_refuses(deepspeed, tmp_path / "run", 2, ["--data", str(prefix), "--seq-len", "32", "--pp", "2"],
+                             "which the DeepSpeed pipeline (--pp 2) does not weigh by trained tokens yet")
     assert_preflight_refuses(DDP_RECIPE, tmp_path / "run", 1, ["--data", str(prefix), "--seq-len", "16"],
                              "its conversations were prepared for --seq-len 32 and would be cut at 16")
     (Path(f"{prefix}.mask.bin")).write_bytes(b"\0")  # a damaged mask: the token file's own check names it
@@ -478,30 +449,15 @@ def test_a_recipe_that_does_not_apply_the_mask_refuses_instruction_data(chat_mod
                              "its loss mask (tokens.mask.bin, tokens.mask.idx) is missing or does not match its tokens")
 
 
-@pytest.fixture(scope="module")
-def sft_data(chat_model, tmp_path_factory) -> Path:
-    """Instruction data whose rows hold very different numbers of trained tokens (answers of 1 to 13 words,
-    2 to 14 trained tokens), for --seq-len 32: the prefix of its token file."""
-    answers = [" ".join((["four", "seven", "blue"] * 5)[:(i * 5) % 13 + 1]) for i in range(16)]
-    records = [{"prompt": ["what is two plus two", "name a colour"][i % 2], "completion": answer}
-               for i, answer in enumerate(answers)]
-    directory = tmp_path_factory.mktemp("sft")
-    prefix = directory / "tokens"
-    assert_ok(prepare_chat(chat_model, prefix, write_jsonl(directory / "train.jsonl", *records),
-                           options=["--seq-len", "32", "--valid-fraction", "0.1"]))
-    return prefix
-
-
 SFT_ARGS = ["--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--log-every", "1", *SGD]
 
 
-def test_ddp_on_instruction_data_matches_one_process_and_the_trainers_per_rank_mean_is_caught(sft_data, tmp_path):
+def test_ddp_on_instruction_data_matches_one_process_and_the_trainers_per_micro_batch_mean_is_caught(sft_data, tmp_path):
     """The loss of a step (and of an evaluation batch) is the cross-entropy summed over every trained token of the
-    global batch, divided by their number (harness/data.py: token_weight), whatever the layout. The rows hold 2 to 14
-    trained tokens, so the ranks hold very different numbers: 2 DDP ranks match one process (tests/parity.toml's
-    tolerance); the negative control, each rank's own mean averaged over the ranks (Hugging Face Trainer's bug,
-    transformers #34191), is caught by more than 100x, and so is a run that ignores the mask (the prompts trained).
-    With --grad-accum 2 as well, against the Trainer's per-micro-batch mean."""
+    global batch, divided by their number (harness/data.py: loss_weights), whatever the layout. The rows hold 2 to 14
+    trained tokens, so the ranks and micro-batches hold very different numbers: with the GPT, 2 DDP ranks match one
+    process (tests/parity.toml's tolerance), and so does one process in 2 micro-batches; the negative control, each
+    micro-batch's own mean averaged (Hugging Face Trainer's bug, transformers #34191), is caught by more than 100x."""
     args = ["--data", str(sft_data), *SFT_ARGS, "--global-batch", "4", "--max-steps", "6", "--eval-every", "3",
             "--eval-batches", "2"]
     assert_ok(run_single(tmp_path / "one", *args))
@@ -512,16 +468,11 @@ def test_ddp_on_instruction_data_matches_one_process_and_the_trainers_per_rank_m
     assert max_relative_difference(losses(parallel), losses(reference)) <= PARITY_RTOL
     # (the validation loss too: each eval batch's loss over its trained tokens, the same on both)
     assert len(eval_losses(reference)) == 2 and max_relative_difference(eval_losses(parallel), eval_losses(reference)) <= PARITY_RTOL
-    assert_ok(run_torchrun(tmp_path / "control", 2, *args, **fault("rank-mean-loss")))
-    assert caught(max_relative_difference(losses(read_metrics(tmp_path / "control")), losses(reference)), PARITY_RTOL)
-    assert_ok(run_torchrun(tmp_path / "mask-ignored", 2, *args, **fault("mask-ignored")))  # (the prompts trained too)
-    assert caught(max_relative_difference(losses(read_metrics(tmp_path / "mask-ignored")), losses(reference)), PARITY_RTOL)
-    # --grad-accum: 2 ranks x 2 micro-batches of one row each, the same curve; the control, each micro-batch's own
-    # mean averaged (the Trainer's gradient-accumulation bug itself), on one process, caught as well
-    assert_ok(run_torchrun(tmp_path / "accum", 2, *args, "--grad-accum", "2"))
-    accumulated = read_metrics(tmp_path / "accum")
-    assert accumulated["grad_accum"] == 2 and accumulated["world_size"] == 2
-    assert max_relative_difference(losses(accumulated), losses(reference)) <= PARITY_RTOL
+    # --grad-accum on one process: the control, each micro-batch's own mean averaged (the Trainer's gradient-
+    # accumulation bug itself), is caught. (On 2 ranks x 2 micro-batches, a Hugging Face model, every recipe that
+    # takes instruction data, and the mask ignored: tests/parity.toml's @sft rows.)
+    assert_ok(run_single(tmp_path / "accum", *args, "--grad-accum", "2"))
+    assert max_relative_difference(losses(read_metrics(tmp_path / "accum")), losses(reference)) <= PARITY_RTOL
     assert_ok(run_single(tmp_path / "accum-control", *args, "--grad-accum", "2", **fault("rank-mean-loss")))
     assert caught(max_relative_difference(losses(read_metrics(tmp_path / "accum-control")), losses(reference)), PARITY_RTOL)
 
@@ -586,7 +537,7 @@ def test_a_packed_conversations_logits_are_its_logits_alone_and_unconfined_packi
 def test_ddp_packed_matches_one_process_with_the_gpt_and_a_hugging_face_model(sft_data, tiny_llama, tmp_path):
     """--pack under DDP, the GPT (2 ranks x 2 micro-batches) and a Hugging Face Llama (its position ids through
     the DDP wrapper): 2 ranks match one process within tests/parity.toml's tolerance, on windows that hold
-    several conversations (the run records how full they are)."""
+    several conversations (the run records how full they are); stopped mid-epoch and resumed, the same curve."""
     for model, accumulate in (("gpt", ["--grad-accum", "2"]), (f"hf:{tiny_llama}", [])):
         args = ["--data", str(sft_data), *SFT_ARGS, "--global-batch", "4", "--max-steps", "4", "--pack",
                 "--model", model, "--vocab-size", "256"]
@@ -597,6 +548,12 @@ def test_ddp_packed_matches_one_process_with_the_gpt_and_a_hugging_face_model(sf
         assert parallel["world_size"] == 2 and parallel["model_wrapper"] == "DistributedDataParallel"
         assert parallel["conversations"]["packed"] and parallel["conversations"]["fill"] > 0.5, parallel["conversations"]
         assert len(losses(reference)) == 4 and max_relative_difference(losses(parallel), losses(reference)) <= PARITY_RTOL
+        if model == "gpt":  # stopped after step 2 and resumed (read-ahead workers on): the same curve, to the bit,
+            resumed = out / "resumed"  # across the epoch's end (9 windows, 4 a step)
+            resumable = [arg for arg in args if arg != "--no-resume"] + accumulate + ["--checkpoint-every", "1"]
+            assert_ok(run_torchrun(resumed, 2, *resumable, "--stop-at-step", "2"))
+            assert_ok(run_torchrun(resumed, 2, *resumable, "--data-workers", "2"))
+            assert read_metrics(resumed)["resumed_from_step"] == 2 and losses(read_metrics(resumed)) == losses(parallel)
 
 
 def test_an_exported_instruction_tuned_model_answers_in_the_tuned_format(chat_model, tmp_path):

@@ -49,9 +49,10 @@ def expand(args: list[str], fixtures: dict[str, str]) -> list[str]:
 
 
 def fixtures_for(row: dict, request) -> dict[str, str]:
-    """The session fixtures (a tiny Llama, an HDF5 file: made, never downloaded) the row's options name."""
+    """The session fixtures (a tiny Llama, an HDF5 file, instruction data: made, never downloaded) the row's options
+    name."""
     text = json.dumps([TABLE["options"], row["args"]])
-    return {name: str(request.getfixturevalue(name)) for name in ("tiny_llama", "fields_file") if f"{{{name}}}" in text}
+    return {name: str(request.getfixturevalue(name)) for name in ("tiny_llama", "fields_file", "sft_data") if f"{{{name}}}" in text}
 
 
 def launch(row: dict, out_dir: Path, args: list[str], **env: str):
@@ -158,7 +159,7 @@ def test_the_table_is_what_the_tests_use():
     for row in [*TABLE["layouts"], *TABLE["reference"].values()]:
         assert row["recipe"] in RECIPES, row
         assert row.get("launcher", "torchrun") in LAUNCHERS, row
-        expand(row["args"], {"tiny_llama": "", "fields_file": ""})  # every "@set" exists
+        expand(row["args"], {"tiny_llama": "", "fields_file": "", "sft_data": ""})  # every "@set" exists
     # every control breaks a kind of parallelism the recipe has a layout for, proven in the same table
     proven = {(row["recipe"], row["reference"]) for row in TABLE["layouts"] if "fault" not in row}
     assert all((row["recipe"], row["reference"]) in proven for row in TABLE["layouts"] if "fault" in row)

@@ -57,7 +57,8 @@ import harness  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "accelerate"
-FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "resume-fresh-optimizer")  # tests only: harness/faults.py
+FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "rank-mean-loss", "mask-ignored",
+          "resume-fresh-optimizer")  # tests only: harness/faults.py
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the world size (slurm/accelerate.sh passes it)")
     harness.add_optimizer_option(p)
     harness.add_schedule_options(p)
-    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments)
+    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, loss_masks=True)
 
 
 def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec, nodes: int | None = None) -> int:
@@ -214,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             assert isinstance(model, DDP) and accelerator.distributed_type in (DistributedType.MULTI_CPU,
                                                                                 DistributedType.MULTI_GPU)
+    masked = harness.masked_data(args)  # instruction data: every trained token of the global batch weighs the same
     harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=dp, micro_batches=args.grad_accum,
-                          ddp_model=model if isinstance(model, DDP) else None, optimizers=[optimizer])  # (tests only)
+                          ddp_model=model if isinstance(model, DDP) else None, optimizers=[optimizer],
+                          applies={"rank-mean-loss": dp * args.grad_accum > 1 and masked, "mask-ignored": masked})  # (tests)
 
     start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if trainer_state:
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def evaluate() -> float:
         model.eval()
-        loss = harness.validation_loss(model, validation, args, args.global_batch, dp_rank, dp, device)
+        loss = harness.validation_loss(model, validation, args, args.global_batch, dp_rank, dp, device, masked)
         model.train()
         return harness.mean_across_ranks(loss, world_size)
 
@@ -260,23 +263,26 @@ def main(argv: list[str] | None = None) -> int:
         step_loss, norm = torch.zeros((), device=device), None
         lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
         harness.set_learning_rate(optimizer, lr)
-        for micro in range(args.grad_accum):
-            rows = slice(micro * micro_rows, (micro + 1) * micro_rows)
+        micro_batches = [slice(micro * micro_rows, (micro + 1) * micro_rows) for micro in range(args.grad_accum)]
+        # what each micro-batch's mean loss weighs: 1/M, or (instruction data) its share of the global batch's
+        # trained tokens, so that every trained token weighs the same on any layout
+        weights = harness.loss_weights([targets[rows] for rows in micro_batches], masked)
+        for rows, weight in zip(micro_batches, weights):
             # accumulate(): no gradient all-reduce until the last micro-batch, and the optimizer steps only then
             with accelerator.accumulate(model):
                 with harness.phase("forward"):
                     loss = model(inputs[rows].to(device), targets[rows].to(device))
-                # backward() divides by --grad-accum (the gradient of the mean loss); the all-reduce averages
-                # over the ranks
+                # backward() divides by --grad-accum, which the weights do already (x M: 1 for a mean of equal
+                # micro-batches); the all-reduce averages over the ranks
                 with harness.phase("backward"):
-                    accelerator.backward(loss)
+                    accelerator.backward(loss * (weight * args.grad_accum))
                 with harness.phase("optimizer"):
                     if accelerator.sync_gradients:  # the step's last micro-batch: the gradients are whole
                         norm = float(accelerator.clip_grad_norm_(model.parameters(),
                                                                  args.clip_grad if args.clip_grad > 0 else float("inf")))
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-            step_loss += loss.detach() / args.grad_accum
+            step_loss += loss.detach() * weight
         global_loss = harness.mean_across_ranks(step_loss, world_size)  # also synchronises the step for timing
         metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)
         if run.eval_due(step):

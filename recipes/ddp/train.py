@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.add_optimizer_option(p)
     harness.memory.add_options(p)
     harness.add_schedule_options(p)
-    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True, loss_masks=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True, loss_masks=True,
+                                    packing=True)
 
 
 def validate(args: argparse.Namespace, world_size: int, model: harness.ModelSpec) -> None:
@@ -185,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         assert isinstance(model, DDP) and dist.get_world_size() == env.world_size
     model.train()
     optimizer = harness.torch_optimizer(raw_model.parameters(), args.optimizer, args.lr)
-    fault = harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=env.world_size,
-                                  micro_batches=args.grad_accum, ddp_model=model if env.world_size > 1 else None,
-                                  optimizers=[optimizer],
-                                  applies={"rank-mean-loss": env.world_size * args.grad_accum > 1 and harness.masked_data(args),
-                                           "mask-ignored": harness.masked_data(args), "pack-unconfined": args.pack})  # (tests)
+    masked = harness.masked_data(args)  # instruction data: every trained token of the global batch weighs the same
+    harness.faults.inject(RECIPE, FAULTS, parameters=raw_model.parameters(), data_parallel=env.world_size,
+                          micro_batches=args.grad_accum, ddp_model=model if env.world_size > 1 else None,
+                          optimizers=[optimizer], applies={"rank-mean-loss": env.world_size * args.grad_accum > 1 and masked,
+                                                           "mask-ignored": masked, "pack-unconfined": args.pack})  # (tests)
 
     start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if checkpoint:
@@ -201,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step})", flush=True)
 
     data = harness.training_data(args)  # --data: synthetic or a token file (instruction data: conversations)
-    masked = harness.masked_data(args)  # a loss mask: every trained token of the global batch weighs the same
     run_info = {**harness.describe_run(env, backend, device, type(model).__name__, dp=env.world_size),
                 "hostnames": hostnames, "dtype": str(dtype), "model": spec.name, "grad_accum": args.grad_accum,
                 **({"conversations": data.packing_summary()} if masked else {})}  # (how full --pack's windows are)
@@ -216,17 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                 "rng": harness.rng_state(), **metrics.checkpoint_state(), **must_match})
             metrics.write()
 
-    def weighed(inputs, targets):  # (instruction data's evaluation: the batch's loss over its trained tokens)
-        return raw_model(inputs, targets) * harness.token_weight(targets, env.world_size).to(device)
-
     # ---- evaluation: the loss on the validation data (--eval-every), each rank its rows, averaged over ranks
     validation = harness.validation_data(args)
 
     def evaluate() -> float:
         model.eval()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = harness.validation_loss(weighed if masked else raw_model, validation, args, args.global_batch,
-                                           env.rank, env.world_size, device)
+            loss = harness.validation_loss(raw_model, validation, args, args.global_batch, env.rank, env.world_size,
+                                           device, masked)
         model.train()
         return harness.mean_across_ranks(loss, env.world_size)
 
@@ -240,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_batches = list(zip(*(part.chunk(args.grad_accum) for part in batch)))
         # what each micro-batch's mean loss weighs: 1/M, or (instruction data) its share of the global batch's
         # trained tokens, so that every trained token weighs the same on any layout
-        weights = (harness.token_weights([targets for _, targets, *_ in micro_batches], env.world_size)
-                   if masked and fault != "rank-mean-loss" else [1 / args.grad_accum] * args.grad_accum)
+        weights = harness.loss_weights([targets for _, targets, *_ in micro_batches], masked)
         loss = 0.0
         for micro, ((inputs, targets, *positions), weight) in enumerate(zip(micro_batches, weights)):
             # DDP all-reduces the gradients in the last micro-batch's backward only: no_sync() before it

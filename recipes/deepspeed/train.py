@@ -68,7 +68,8 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 RECIPE = "deepspeed"
 # The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
-FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "last-microbatch-loss", "resume-fresh-optimizer")
+FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "last-microbatch-loss", "rank-mean-loss", "mask-ignored",
+          "resume-fresh-optimizer")
 DEFAULT_DS_CONFIG = Path(__file__).resolve().parent / "ds_config.json"
 
 
@@ -89,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true", help="--pp: recompute each layer in backward")
     harness.add_schedule_options(p)
     harness.memory.add_options(p)  # --estimate-memory GPU --world N
-    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments)
+    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, loss_masks=True)
 
 
 def resolve_ds_config(args: argparse.Namespace, world_size: int, on_gpu: bool, pp: int = 1) -> dict:
@@ -192,6 +193,9 @@ def validate(args: argparse.Namespace, world_size: int, on_gpu: bool) -> tuple[d
     config and the pipeline stages."""
     harness.validate_run(args, world_size)
     pp = pipeline_stages(args, world_size)
+    if pp > 1 and harness.masked_data(args):  # (the engine's pipeline averages its micro-batches' losses itself)
+        raise harness.ConfigError(f"--data {args.data} is instruction data, which the DeepSpeed pipeline (--pp {args.pp}) "
+                                  "does not weigh by trained tokens yet: train it with --pp 1 (ZeRO), or recipes/ddp")
     ds_config = resolve_ds_config(args, world_size, on_gpu, pp)
     return ds_config, pp
 
@@ -400,9 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     if pp > 1:
         assert engine.num_stages == pp and engine.grid.get_data_parallel_world_size() == dp
     dp_rank = engine.grid.get_data_parallel_rank() if pp > 1 else env.rank
+    masked = harness.masked_data(args)  # instruction data: every trained token of the global batch weighs the same
     harness.faults.inject(RECIPE, FAULTS, parameters=model.parameters(), data_parallel=dp, micro_batches=accum, engine=engine,
                           applies={"grad-sum": dp > 1 and pp == 1, "accum-sum": accum > 1 and pp == 1,  # (tests only)
-                                   "no-grad-allreduce": dp > 1 and stage == 0, "last-microbatch-loss": pp > 1 and accum > 1})
+                                   "no-grad-allreduce": dp > 1 and stage == 0, "last-microbatch-loss": pp > 1 and accum > 1,
+                                   "rank-mean-loss": dp * accum > 1 and masked, "mask-ignored": masked})
     engine.train()
     if is_rank0:  # the layout the engine formed
         print(f"[{RECIPE}] world_size={engine.world_size} backend={backend} device={device.type} ZeRO-{stage} "
@@ -445,9 +451,10 @@ def main(argv: list[str] | None = None) -> int:
                      for i in range(0, len(inputs), micro_rows)]
             if pp > 1:
                 total += engine.eval_batch(data_iter=iter(micro)).float().reshape(())  # (a 1-element tensor)
-            else:
+            else:  # (each micro-batch weighed as in training: instruction data's loss over its trained tokens)
                 engine.eval()
-                total += sum(engine(*rows).float() for rows in micro) / len(micro)
+                weights = harness.loss_weights([targets for _, targets in micro], masked)
+                total += sum(engine(*rows).float() * weight for rows, weight in zip(micro, weights))
         engine.train()
         return float(total) / args.eval_batches if pp > 1 else harness.mean_across_ranks(total / args.eval_batches, dp)
 
@@ -473,19 +480,22 @@ def main(argv: list[str] | None = None) -> int:
                 break
             continue
         step_loss = torch.zeros((), device=device)
-        for micro in range(accum):
-            rows = slice(micro * micro_rows, (micro + 1) * micro_rows)
+        micro_batches = [slice(micro * micro_rows, (micro + 1) * micro_rows) for micro in range(accum)]
+        # what each micro-batch's mean loss weighs: 1/M, or (instruction data) its share of the global batch's
+        # trained tokens, so that every trained token weighs the same on any layout
+        weights = harness.loss_weights([targets[rows].to(device) for rows in micro_batches], masked)
+        for micro, (rows, weight) in enumerate(zip(micro_batches, weights)):
             with harness.phase("forward"):
                 loss = engine(inputs[rows].to(device), targets[rows].to(device))
-            # backward() scales by 1/accum and reduces (ZeRO: reduce-scatters) the mean over the ranks at the
-            # last micro-batch
+            # backward() scales by 1/accum, which the weights do already (x accum: 1 for a mean of equal
+            # micro-batches), and reduces (ZeRO: reduce-scatters) the mean over the ranks at the last micro-batch
             with harness.phase("backward"):
-                engine.backward(loss)
+                engine.backward(loss * (weight * accum))
             with harness.phase("optimizer"):
                 if own_norm and micro == accum - 1:  # the reduced gradients, on the module until the step
                     norm = harness.clip_gradients(engine.module.parameters(), 0)
                 engine.step()  # the optimizer steps only at the accumulation boundary
-            step_loss += loss.detach().float() / accum
+            step_loss += loss.detach().float() * weight
         global_loss = harness.mean_across_ranks(step_loss, env.world_size)  # also synchronises the step for timing
         norm = norm if own_norm else engine.get_global_grad_norm()
         metrics.log_step(step, global_loss, global_batch, run.step_time(), engine.get_lr()[0],

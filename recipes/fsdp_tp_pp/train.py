@@ -68,7 +68,8 @@ from gpt import GPT, GPTConfig, cross_entropy  # noqa: E402
 
 RECIPE = "fsdp_tp_pp"
 # The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
-FAULTS = ("tp-no-reduce", "grad-sum", "no-grad-allreduce", "pp-loss-unscaled", "resume-fresh-optimizer")
+FAULTS = ("tp-no-reduce", "grad-sum", "no-grad-allreduce", "pp-loss-unscaled", "rank-mean-loss", "mask-ignored",
+          "resume-fresh-optimizer")
 SCHEDULE = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B, "GPipe": ScheduleGPipe}
 DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: reshardable
 
@@ -95,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of the state to CPU memory; published once written")
     harness.memory.add_options(p)
     harness.add_schedule_options(p)
-    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True)
+    return harness.parse_recipe_args(p, RECIPE, argv, model_options=GPTConfig.add_arguments, lora=True, loss_masks=True)
 
 
 def validate(args: argparse.Namespace, world_size: int, spec: harness.ModelSpec) -> parallelize.Layout:
@@ -103,7 +104,11 @@ def validate(args: argparse.Namespace, world_size: int, spec: harness.ModelSpec)
     harness.check_model_vocabulary(spec, args.vocab_size)
     harness.check_export_option(args, spec)
     harness.require_positive(args, "lr")
-    return parallelize.choose_layout(args, world_size, spec)
+    layout = parallelize.choose_layout(args, world_size, spec)
+    if layout.pp > 1 and harness.masked_data(args):  # (the schedule averages its micro-batches' losses itself)
+        raise harness.ConfigError(f"--data {args.data} is instruction data, which a pipeline (--pp {layout.pp}) does not "
+                                  "weigh by trained tokens yet: train it with --pp 1 (FSDP2, TP, HSDP), or recipes/ddp")
+    return layout
 
 
 def state_dicts(stages: list, optimizers: list) -> list[dict]:
@@ -389,10 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     # the pipeline: this rank's stages, the schedule that runs the micro-batches through them
     schedule = build_schedule(args, layout, local, stages, mesh, device) if layout.pp > 1 else None
     has_first, has_last = (stages[0].is_first, stages[-1].is_last) if is_gpt else (True, True)
+    masked = harness.masked_data(args)  # instruction data: every trained token of the global batch weighs the same
     harness.faults.inject(RECIPE, FAULTS, optimizers=optimizers, schedule=schedule,  # (tests only: their controls)
                           fsdp_modules=[m for stage in stages for m in stage.modules() if isinstance(m, FSDPModule)],
                           applies={"tp-no-reduce": layout.tp > 1, "grad-sum": layout.fsdp, "no-grad-allreduce": layout.fsdp,
-                                   "pp-loss-unscaled": layout.pp > 1 and layout.micro_batches > 1})
+                                   "pp-loss-unscaled": layout.pp > 1 and layout.micro_batches > 1,
+                                   "rank-mean-loss": layout.dp > 1 and masked, "mask-ignored": masked})
 
     checkpoint_dir = args.out_dir / "checkpoints"
     start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
@@ -435,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch in range(args.eval_batches):
             inputs, targets = (t.to(device) for t in validation.local_batch(batch, args.global_batch, dp_rank, layout.dp))
             with autocast:
-                if schedule is None:
-                    total += loss_of(inputs, targets).float()
+                if schedule is None:  # (instruction data: weighed as in training, harness.loss_weights)
+                    total += loss_of(inputs, targets).float() * harness.loss_weights([targets], masked)[0]
                 else:
                     losses = []
                     schedule.eval(*([inputs] if has_first else []), target=targets if has_last else None,
@@ -457,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         with autocast:
             if schedule is None:
                 with harness.phase("forward"):
-                    loss = loss_of(inputs, targets)
+                    # (instruction data: weighed by its share of the global batch's trained tokens; else x 1)
+                    loss = loss_of(inputs, targets) * harness.loss_weights([targets], masked)[0]
                 with harness.phase("backward"):
                     loss.backward()  # TP's all-reduces and FSDP2's reduce-scatters run inside backward
             else:

@@ -38,7 +38,8 @@ from .cli import (
 from . import faults, memory
 from .errors import ConfigError, stderr_line
 from .data import (ConversationData, masked_data, numpy_batches, numpy_token_batch, step_batches, SyntheticTokens, tf_step_batches,
-                   token_weight, token_weights, TokenFileData, training_data, validation_data)
+                   loss_weights, token_weights, TokenFileData, training_data, validation_data,
+                   validation_loss)
 from .launch import (
     all_hostnames, check_expected_world_size, detect_dist_env, DistEnv, expand_hostlist,
     EXPECTED_WORLD_SIZE_ENV, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
@@ -49,7 +50,7 @@ from .metrics import (describe_run, gpu_peak_flops, MetricsLogger, peak_flops, s
 from .model import (check_export_option, check_model_vocabulary, export_trained_model, model_size, model_spec,
                     ModelSpec)
 from .profiling import peak_memory, phase
-from .run import clip_gradients, learning_rate, set_learning_rate, torch_optimizer, TrainingRun, validation_loss
+from .run import clip_gradients, learning_rate, set_learning_rate, torch_optimizer, TrainingRun
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
 __all__ = [
@@ -68,7 +69,7 @@ __all__ = [
     "resume_dir", "resume_file", "rng_state", "save_checkpoint", "save_checkpoint_dir",
     "save_sharded_checkpoint", "setup_torch_distributed", "ShardedCheckpoints", "staging_checkpoint_dir", "start_metrics",
     "stderr_line", "step_batches", "STOP_MARKER", "STOP_SIGNALS", "StopRequest", "SyntheticTokens", "tensorboard_dir",
-    "tf_step_batches", "token_weight", "token_weights", "TokenFileData", "ConversationData", "masked_data",
+    "tf_step_batches", "loss_weights", "token_weights", "TokenFileData", "ConversationData", "masked_data",
     "torch_optimizer", "training_data", "TRAINER_STATE", "TrainingRun",
     "transformer_flops_per_token", "validate_run", "validation_data", "validation_loss",
 ]

@@ -130,7 +130,7 @@ def schedule_identity(args: argparse.Namespace) -> dict:
             **({"schedule_end_step": args.max_steps} if args.lr_schedule == "cosine" else {})}
 
 
-def add_data_options(p: argparse.ArgumentParser, user_datasets: bool = False, instruction_data: bool = False) -> None:
+def add_data_options(p: argparse.ArgumentParser, user_datasets: bool = False, packing: bool = False) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default="synthetic", metavar="PREFIX",
                    help="synthetic (default), or a token file: PREFIX.bin/.idx/.json as recipes/data/prepare.py "
@@ -140,7 +140,7 @@ def add_data_options(p: argparse.ArgumentParser, user_datasets: bool = False, in
         g.add_argument("--dataset", default=None, metavar="MODULE:FACTORY",
                        help="your own data: FACTORY(args, split) -> a map-style torch Dataset of (inputs, targets) "
                             "tensor pairs, for split 'train' and 'validation' (e.g. recipes/examples/fields.py:dataset)")
-    if instruction_data:
+    if packing:
         g.add_argument("--pack", action="store_true",
                        help="instruction data (prepare.py --chat): pack whole conversations into each --seq-len window "
                             "instead of one padded conversation per row; attention stays within each conversation")
@@ -174,14 +174,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] | None,
                       model_options: Callable[[argparse.ArgumentParser], None] | None = None,
                       collective_timeout: bool = True, lora: bool = False, profile: bool = True,
-                      loss_masks: bool = False) -> argparse.Namespace:
+                      loss_masks: bool = False, packing: bool = False) -> argparse.Namespace:
     """The shared option groups after the recipe's own, then the command line (and --config) parsed.
-    ``loss_masks``: the recipe trains instruction data (a token file with a loss mask, data.ConversationData).
+    ``loss_masks``: the recipe trains instruction data (a token file with a loss mask, data.ConversationData);
+    ``packing``: and packs it (--pack: the model takes each token's position in its conversation).
     ``model_options``: the stack's model adds its options (recipes/gpt.py: GPTConfig.add_arguments); with it
     the recipe takes --model, --dataset, --export-hf and --lora-rank (which it refuses unless ``lora``).
     ``collective_timeout``: --timeout-s (PyTorch's groups); ``profile``: --profile (torch.profiler)."""
     add_run_options(p, recipe, collective_timeout, profile)
-    add_data_options(p, user_datasets=model_options is not None, instruction_data=loss_masks)
+    add_data_options(p, user_datasets=model_options is not None, packing=packing)
     if model_options is not None:
         add_model_options(p)
         model_options(p)

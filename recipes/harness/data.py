@@ -219,7 +219,8 @@ def check_data_option(data: str, vocab_size: int, seq_len: int, evaluates: bool 
         if loss_masks is not None:
             # Trained as a plain token stream, the prompts would be trained too, and conversations mixed in a window.
             raise ConfigError(f"--data {data} is instruction data with a loss mask (prepare.py --chat), which {loss_masks} "
-                              "does not apply yet: train it with recipes/ddp, or prepare the text without --chat")
+                              "does not apply yet: train it with recipes/ddp, accelerate, deepspeed or fsdp_tp_pp, or "
+                              "prepare the text without --chat")
         if meta.get("seq_len", 0) > seq_len:
             raise ConfigError(f"--data {data}: its conversations were prepared for --seq-len {meta['seq_len']} and would "
                               f"be cut at {seq_len}: use --seq-len {meta['seq_len']}, or prepare it with --seq-len {seq_len}")
@@ -385,21 +386,24 @@ class ConversationData(GlobalBatches):
 
 
 def masked_data(args) -> bool:
-    """--data is instruction data (a token file with a loss mask): ConversationData's rows, token_weight's loss."""
+    """--data is instruction data (a token file with a loss mask): ConversationData's rows, loss_weights' loss."""
     return not getattr(args, "dataset", None) and args.data != "synthetic" and "loss_mask" in read_token_file_meta(args.data)
 
 
-def token_weights(micro_targets: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+def token_weights(micro_targets: list[torch.Tensor]) -> list[torch.Tensor]:
     """What scales each of this rank's micro-batch losses (each the mean over its trained targets, targets !=
-    IGNORE) so that the gradient DDP averages over the data-parallel ranks is the one of the global batch's
-    loss: the sum of the cross-entropy over every trained token of the global batch (every rank, every
-    micro-batch), divided by their number. Rows hold very different numbers of trained tokens, and a mean of
-    per-rank or per-micro-batch means weighs a token of a short answer more than one of a long one (the
-    Hugging Face Trainer's bug, transformers #34191): weight = the micro-batch's tokens x world size / the
-    global batch's tokens. One all-reduce of the count per step."""
+    IGNORE) so that the gradient the data-parallel ranks average is the one of the global batch's loss: the sum
+    of the cross-entropy over every trained token of the global batch (every rank, every micro-batch), divided
+    by their number. Rows hold very different numbers of trained tokens, and a mean of per-rank or
+    per-micro-batch means weighs a token of a short answer more than one of a long one (the Hugging Face
+    Trainer's bug, transformers #34191): weight = the micro-batch's tokens x world size / the world's tokens.
+    One all-reduce of a count per step, over every rank: the tensor-parallel ranks of a replica hold the same
+    rows, so they count its tokens TP times, and the world size has TP in it too (weight = tokens x DP / the
+    global batch's tokens: what the average over the DP ranks of DDP, FSDP and ZeRO needs)."""
     import torch
     import torch.distributed as dist
 
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     local = torch.stack([(targets != IGNORE).sum() for targets in micro_targets]).to(torch.float64)
     total = local.sum()
     if world_size > 1:
@@ -407,9 +411,14 @@ def token_weights(micro_targets: list[torch.Tensor], world_size: int) -> list[to
     return list((local * world_size / total).to(torch.float32).unbind())
 
 
-def token_weight(targets: torch.Tensor, world_size: int) -> torch.Tensor:
-    """token_weights of one batch (an evaluation batch: no micro-batches)."""
-    return token_weights([targets], world_size)[0]
+def loss_weights(micro_targets: list[torch.Tensor], masked: bool) -> list:
+    """The weight of each of this rank's micro-batch mean losses in its step's loss (the sum of weight x loss,
+    whose gradient the data-parallel ranks average): 1/M for M micro-batches of equal rows whose targets all
+    count; for instruction data (``masked``: masked_data), token_weights. (The negative control rank-mean-loss:
+    1/M for instruction data too, the Trainer's mean of per-micro-batch and per-rank means.)"""
+    if masked and not faults.active("rank-mean-loss"):
+        return token_weights(micro_targets)
+    return [1.0 / len(micro_targets)] * len(micro_targets)
 
 
 class DatasetBatches(GlobalBatches):
@@ -544,6 +553,22 @@ def validation_data(args) -> SyntheticTokens | TokenFileData | DatasetBatches:
     if masked_data(args):
         return ConversationData(args.data, args.seq_len, args.seed, split="validation")
     return TokenFileData(args.data, args.seq_len, args.seed, split="validation")
+
+
+def validation_loss(forward, data, args, global_batch: int, rank: int, world_size: int, device,
+                    masked: bool = False):
+    """This rank's mean loss over the --eval-batches validation batches (its rows of each), without gradients;
+    ``forward(inputs, targets)``: one batch's loss. The recipe averages it over its data-parallel ranks.
+    ``masked`` (instruction data): each batch's loss weighed as training weighs it (data.loss_weights), so the
+    average over the ranks is the batch's loss over its trained tokens."""
+    import torch
+
+    total = torch.zeros((), device=device)
+    with torch.no_grad():
+        for batch in range(args.eval_batches):
+            inputs, targets = (part.to(device) for part in data.local_batch(batch, global_batch, rank, world_size))
+            total += forward(inputs, targets).float() * loss_weights([targets], masked)[0]
+    return total / args.eval_batches
 
 
 def tf_step_batches(args, steps: range, global_batch: int):

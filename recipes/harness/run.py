@@ -163,19 +163,6 @@ def clip_gradients(parameters, max_norm: float) -> float:
     return float(norm)
 
 
-def validation_loss(forward, data, args: argparse.Namespace, global_batch: int, rank: int, world_size: int, device):
-    """This rank's mean loss over the --eval-batches validation batches (its rows of each), without gradients;
-    ``forward(inputs, targets)``: one batch's loss. The recipe averages it over its data-parallel ranks."""
-    import torch
-
-    total = torch.zeros((), device=device)
-    with torch.no_grad():
-        for batch in range(args.eval_batches):
-            inputs, targets = data.local_batch(batch, global_batch, rank, world_size)
-            total += forward(inputs.to(device), targets.to(device)).float()
-    return total / args.eval_batches
-
-
 def torch_optimizer(parameters, name: str, lr: float):
     """The optimizer of --optimizer (cli.add_optimizer_option): AdamW without weight decay, or plain SGD."""
     import torch
