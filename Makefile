@@ -44,7 +44,7 @@ PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 
 	test-cuda-images test-scale \
 	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
-	bench bench-quick bench-data bench-checkpoint gpu-check nccl-check
+	bench bench-quick bench-data bench-checkpoint bench-packing gpu-check nccl-check
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -54,7 +54,8 @@ help:
 	@echo "         test-images test-cuda-images (the cuda flavor, no GPU needed) test-scale (16 local nodes)"
 	@echo "         hadolint shellcheck"
 	@echo "docs:    docs (the site, --strict, in site/), docs-serve (http://127.0.0.1:8000), docs-check (screenshots)"
-	@echo "bench:   bench (about 30 min), bench-quick, bench-data (the token-file loader, DATA=PREFIX);"
+	@echo "bench:   bench (about 30 min), bench-quick, bench-data (the token-file loader, DATA=PREFIX),"
+	@echo "         bench-packing (instruction data: padded, --pack, a bare loop);"
 	@echo "         gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
 	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
 
@@ -242,6 +243,11 @@ bench-quick: venv
 # against the DDP recipe's training throughput (runs/bench-data/data_loader.json). DATA=PREFIX: your data.
 bench-data: venv
 	OMP_NUM_THREADS=1 $(PY) bench/data_loader.py --out runs/bench-data $(if $(DATA),--data $(DATA))
+
+# Instruction data: the windows --pack saves, conversation tokens/s packed against padded, and the packed recipe
+# against a bare loop on the same batches (runs/bench-packing/packing.json; bench/packing.md: the last full run).
+bench-packing: venv
+	OMP_NUM_THREADS=1 $(PY) bench/packing.py --out runs/bench-packing
 
 # How long a checkpoint holds training up, written in the foreground vs --async-checkpoint (FSDP2, DCP):
 # runs/bench-checkpoint/checkpoint_save.json.

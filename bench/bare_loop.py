@@ -3,6 +3,7 @@ nothing else (no process group, no checkpoints, no metrics logger, no signal han
 
     python bench/bare_loop.py --out result.json --global-batch 8 --max-steps 30 [model options]
     python bench/bare_loop.py --out result.json --model hf:DIR --seq-len 128    # a Hugging Face model
+    python bench/bare_loop.py --out result.json --data PREFIX --pack            # instruction data, packed
 
 Writes per-step times and losses, so the benchmark compares like with like and can check that both
 loops trained the very same model.
@@ -32,6 +33,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--untie-embeddings", action="store_true", help="a separate output layer (the FSDP2/TP/PP recipe's)")
     p.add_argument("--model", default="gpt", help="gpt, or hf:DIR: a Hugging Face causal LM under the recipes' loss")
+    p.add_argument("--data", default="synthetic", help="synthetic, or instruction data (prepare.py --chat): its batches")
+    p.add_argument("--pack", action="store_true", help="with instruction data: packed windows (the recipes' --pack)")
     args = p.parse_args()
 
     torch.manual_seed(args.seed)
@@ -41,13 +44,14 @@ def main() -> None:
     else:  # the same module the recipes build for --model hf:DIR (its loss: the logits against the next tokens)
         model = harness.model_spec(argparse.Namespace(model=args.model, seq_len=args.seq_len)).build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    data = harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed)
+    data = (harness.SyntheticTokens(args.vocab_size, args.seq_len, args.seed) if args.data == "synthetic" else
+            harness.ConversationData(args.data, args.seq_len, args.seed, pack=args.pack))
     model.train()
     history = []
     for step in range(1, args.max_steps + 1):
         t0 = time.perf_counter()
-        inputs, targets = data.global_batch(step, args.global_batch)
-        loss = model(inputs, targets)
+        inputs, targets, *positions = data.global_batch(step, args.global_batch)  # (packed: and the positions)
+        loss = model(inputs, targets, *positions)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

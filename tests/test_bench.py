@@ -191,6 +191,30 @@ def test_data_loader_benchmark_measures_cold_cached_and_read_ahead_against_train
     assert f"| {training:,.0f} | 1 |" in table and f"| {loader['cold']['tokens_per_s']:,.0f} |" in table
 
 
+def test_packing_benchmark_measures_the_padding_saved_and_the_recipe_against_a_bare_loop(tmp_path):
+    """bench/packing.py --quick: the windows and fill come from the runs' own metrics (packed fuller than padded,
+    fewer windows), the ratios from the figures of the same run, and the packed recipe and the bare loop trained
+    the same model on the same batches. The committed table (bench/packing.md, a full run's) is its JSON's."""
+    result = run([sys.executable, str(REPO / "bench" / "packing.py"), "--quick", "--out", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bench = json.loads((tmp_path / "packing.json").read_text())
+    data, speedup, overhead = bench["data"], bench["speedup"], bench["overhead"]
+    assert bench["meta"]["quick"] and data["kept"] <= data["conversations"] == 80
+    assert data["windows_padded"] == data["kept"] > data["windows_packed"] > 0 and data["fill_packed"] > data["fill_padded"]
+    assert data["padding_saved"] == round(1 - data["windows_packed"] / data["windows_padded"], 3)
+    assert speedup["ratios"] == [p / q for p, q in zip(speedup["packed_conversation_tokens_per_s"],
+                                                      speedup["padded_conversation_tokens_per_s"])]
+    assert speedup["ratio"] == statistics.median(speedup["ratios"]) > 0
+    assert overhead["ratios"] == [r / b for r, b in zip(overhead["recipe_samples_per_s"], overhead["bare_samples_per_s"])]
+    assert overhead["meets_target"] == (overhead["ratio"] >= overhead["target"] == 0.97)
+    assert overhead["loss_max_rel_diff"] < 1e-6
+    sys.path.insert(0, str(REPO / "bench"))
+    from packing import table
+
+    committed = REPO / "bench" / "packing.json"
+    assert (REPO / "bench" / "packing.md").read_text() == table(json.loads(committed.read_text()))
+
+
 def test_the_committed_hugging_face_table_is_its_json():
     """bench/RESULTS.md quotes the Hugging Face figures of bench/hugging_face.json as bench/run.py renders them
     (a number edited by hand, or a JSON replaced without its table, fails here)."""
