@@ -5,7 +5,9 @@
 
 It reads the checkpoints of every recipe that takes --model hf:DIR: recipes/ddp (step_N.pt), accelerate
 (save_state), DeepSpeed ZeRO 0-3 (every rank's shards) and fsdp_tp_pp (DCP, saved in any layout), in one
-process, on the CPU, with no process group and no GPU (a login node will do for a model that fits its memory).
+process, on the CPU, with no process group and no GPU. fsdp_tp_pp's DCP checkpoints are streamed: the model
+is built empty and each tensor read, written and dropped in turn, so a login node exports a model larger than
+its memory; the others are read whole (a login node will do for a model that fits its memory).
 The model is the one the checkpoint records (the hf:DIR it started from, and --lora-rank), which must still
 be where it was: --model hf:DIR names it if it moved. It writes what --export-hf writes at the end of a run:
 safetensors and config.json, the source's tokenizer files, and for LoRA the adapters merged into the weights
@@ -116,12 +118,43 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None and record.get("config_sha256") != spec.identity["config_sha256"]:
         raise harness.ConfigError(f"{name.removeprefix('hf:')}/config.json has changed since the run wrote {checkpoint}: "
                                   "give the directory the run started from with --model hf:DIR")
+    about = f"(step {record.get('step')}, model {name}" + (f", LoRA rank {record['lora_rank']}" if record.get("lora_rank") else "") + ")"
+    if (checkpoint / ".metadata").is_file() and spec.build_empty is not None:
+        # fsdp_tp_pp's DCP checkpoint: streamed, a tensor at a time, into the model built empty (no weights held)
+        from harness.hf_model import export_streaming
+
+        print(f"[{RECIPE}] read a DCP checkpoint (fsdp_tp_pp), a tensor at a time: {checkpoint} {about}", flush=True)
+        files = export_streaming(spec.build_empty(), dcp_tensors(checkpoint), Path(name.removeprefix("hf:")), args.out)
+        print(f"[{RECIPE}] exported the trained model to {args.out} ({', '.join(files)}): "
+              "AutoModelForCausalLM.from_pretrained loads it", flush=True)
+        return 0
     model = spec.build()
     source = load_weights(model, checkpoint, weights)
-    print(f"[{RECIPE}] read {source}: {checkpoint} (step {record.get('step')}, model {name}"
-          + (f", LoRA rank {record['lora_rank']}" if record.get("lora_rank") else "") + ")", flush=True)
+    print(f"[{RECIPE}] read {source}: {checkpoint} {about}", flush=True)
     harness.export_trained_model(model, spec, args.out, RECIPE)
     return 0
+
+
+def dcp_tensors(checkpoint: Path):
+    """name -> that parameter of the model (as fsdp_tp_pp names it, without DCP's "model." prefix) read whole
+    from a DCP checkpoint written in any layout: DCP reads and joins just that tensor's shards."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+
+    def whole(name: str) -> torch.Tensor:
+        key = f"model.{name}"
+        if key not in saved:
+            raise harness.ConfigError(f"{checkpoint} holds no {key}: it is not a checkpoint of the model it records "
+                                      "(give the directory the run started from with --model hf:DIR)")
+        tensor = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+        with warnings.catch_warnings():  # (DCP says it assumes one process, which is what no_dist asks for)
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({key: tensor}, checkpoint_id=str(checkpoint), no_dist=True)
+        return tensor
+
+    return whole
 
 
 if __name__ == "__main__":

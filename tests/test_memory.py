@@ -140,11 +140,15 @@ def test_a_hugging_face_models_estimate_is_over_its_real_peak_never_under(recipe
     in activations: the model runs the same operators with the same output sizes on fake and real tensors
     (compared op by op), and an allocation log of its forward and backward peaks at the same bytes on both;
     PyTorch's tracker keeps some of them alive longer on fake tensors. An over-estimate, the safe side: the
-    test holds it there."""
-    model = ["--model", f"hf:{tiny_llama}", "--vocab-size", "256", "--seq-len", "128", "--global-batch", "8",
-             "--dtype", "float32"]
+    test holds it there. The estimate is made from the model's config.json alone (a directory without its
+    weights, as for a model not downloaded yet): nothing is read but the shapes."""
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((tiny_llama / "config.json").read_text())
+    shape = ["--vocab-size", "256", "--seq-len", "128", "--global-batch", "8", "--dtype", "float32"]
+    model = ["--model", f"hf:{tiny_llama}", *shape]
     name = "ddp-hf" if recipe == "ddp" else "hf"
-    _, stdout, estimated = estimate(tmp_path, name, 2, options, model=model)
+    _, stdout, estimated = estimate(tmp_path, name, 2, options, model=["--model", f"hf:{config_only}", *shape])
     measured_json = tmp_path / "measured.json"
     assert_ok(run_recipe(recipe_of(name), tmp_path / "real", 2, *model, *options, "--estimate-memory", "a100-40",
                          "--estimate-json", str(measured_json)))

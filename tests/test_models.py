@@ -143,7 +143,8 @@ def test_your_model_resumes_on_the_same_curve(tiny_llama, fields_file, tmp_path,
 
 
 @pytest.mark.parametrize("case", ["missing", "not-a-model", "no-weights", "small-vocabulary", "no-module",
-                                  "no-factory", "not-a-module", "no-form", "export-not-hf", "export-exists",
+                                  "no-factory", "not-a-module", "factory-no-args", "factory-raises", "forward-one-arg",
+                                  "loss-not-scalar", "no-form", "export-not-hf", "export-exists",
                                   "dataset-no-module", "dataset-not-tensors", "dataset-empty", "dataset-fails"])
 def test_a_model_that_cannot_be_used_is_one_line_before_any_rank(tiny_llama, tmp_path, case):
     """--preflight (what slurm/lib/launch.sh runs before srun) and a plain run: one line, exit 2."""
@@ -152,7 +153,15 @@ def test_a_model_that_cannot_be_used_is_one_line_before_any_rank(tiny_llama, tmp
     (tmp_path / "empty").mkdir()
     (tmp_path / "mine.py").write_text("import torch\ndef build(args):\n    return 'not a module'\n"
                                       "def numbers(args, split):\n    return list(range(10))\n"
-                                      "def nothing(args, split):\n    return []\n")
+                                      "def nothing(args, split):\n    return []\n"
+                                      "def bare():\n    return torch.nn.Linear(2, 2)\n"
+                                      "def fails(args):\n    raise ValueError('no such width')\n"
+                                      "class Embed(torch.nn.Module):\n"
+                                      "    def __init__(self):\n        super().__init__(); self.e = torch.nn.Embedding(512, 4)\n"
+                                      "    def forward(self, inputs, targets=None):\n        return self.e(inputs).mean(-1)\n"
+                                      "def per_token(args):\n    return Embed()\n"
+                                      "class Lone(Embed):\n    def forward(self, inputs):\n        return self.e(inputs).mean()\n"
+                                      "def lone(args):\n    return Lone()\n")
     model, extra, message = {
         "missing": (f"hf:{tmp_path}/nowhere", [], f"--model hf:{tmp_path}/nowhere: {tmp_path}/nowhere is not a directory"),
         "not-a-model": (f"hf:{tmp_path}/empty", [], "has no config.json: it is not a Hugging Face model directory"),
@@ -162,6 +171,11 @@ def test_a_model_that_cannot_be_used_is_one_line_before_any_rank(tiny_llama, tmp
         "no-module": ("no_such_module:build", [], "cannot import no_such_module: ModuleNotFoundError"),
         "no-factory": (f"{tmp_path}/mine.py:make", [], f"{tmp_path}/mine.py has no function make"),
         "not-a-module": (f"{tmp_path}/mine.py:build", [], "build(args) returned str, not a torch.nn.Module"),
+        "factory-no-args": (f"{tmp_path}/mine.py:bare", [], "bare must take one argument, the run's options"),
+        "factory-raises": (f"{tmp_path}/mine.py:fails", [], f"fails(args) raised ValueError: no such width ({tmp_path}/mine.py:"),
+        "forward-one-arg": (f"{tmp_path}/mine.py:lone", [], "Lone.forward must take (inputs, targets)"),
+        "loss-not-scalar": (f"{tmp_path}/mine.py:per_token", [], "Embed.forward(inputs, targets) returned (16, 64), not the "
+                            "batch's mean loss (a scalar float tensor)"),
         "no-form": ("llama", [], "--model llama: use gpt, hf:DIR (a Hugging Face model directory) or MODULE:FACTORY"),
         "export-not-hf": (BIGRAM, ["--export-hf", str(tmp_path / "out")], "--export-hf writes a Hugging Face model "
                           "directory: it needs --model hf:DIR"),
@@ -175,7 +189,8 @@ def test_a_model_that_cannot_be_used_is_one_line_before_any_rank(tiny_llama, tmp
                           f"its train data fails: FileNotFoundError: --data {tmp_path}/none.h5 is not an HDF5 file"),
     }[case]
     # (the factory's result is known only once it is built: on each rank, before the first step)
-    for preflight in ([] if case == "not-a-module" else [["--preflight", "2"]]) + [[]]:
+    built = ("not-a-module", "factory-raises", "forward-one-arg", "loss-not-scalar")  # (known once it is built)
+    for preflight in ([] if case in built else [["--preflight", "2"]]) + [[]]:
         result = python(DDP_RECIPE, "--out-dir", str(tmp_path / "run"), "--model", model, *extra,
                         "--max-steps", "1", *preflight, env=recipe_env(), timeout=120)
         lines = result.stderr.strip().splitlines()

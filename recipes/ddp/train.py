@@ -108,7 +108,10 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
     rows = args.global_batch // (world * args.grad_accum)  # (a micro-batch's: activations are the micro-batch's)
     with harness.memory.fake_tensors(not measured):
         torch.manual_seed(args.seed)
-        model = spec.build()
+        if measured or spec.build_empty is None:
+            model = spec.build()
+        else:  # a Hugging Face model on fake tensors: from its config.json alone (no weights read)
+            model = spec.build_empty(meta=False)
         model = model if device.type == "cpu" else model.to(device)  # (fake tensors: no .to)
         wrapped = DDP(model) if measured and world > 1 else None
         optimizer = harness.torch_optimizer(model.parameters(), args.optimizer, args.lr)

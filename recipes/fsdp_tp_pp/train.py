@@ -68,7 +68,7 @@ from gpt import GPT, GPTConfig, cross_entropy  # noqa: E402
 
 RECIPE = "fsdp_tp_pp"
 # The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
-FAULTS = ("tp-no-reduce", "grad-sum", "no-grad-allreduce", "pp-loss-unscaled", "rank-mean-loss", "mask-ignored",
+FAULTS = ("whole-model-load", "tp-no-reduce", "grad-sum", "no-grad-allreduce", "pp-loss-unscaled", "rank-mean-loss", "mask-ignored",
           "resume-fresh-optimizer")
 SCHEDULE = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B, "GPipe": ScheduleGPipe}
 DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: reshardable
@@ -163,17 +163,22 @@ def save_dcp(state: dict, path: Path, world_size: int, background=None):
 
 
 def build_stages(args: argparse.Namespace, spec: harness.ModelSpec, layout: parallelize.Layout, mesh, pp_rank: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, read_weights: bool = True):
     """This rank's part of the model, parallelised, and its optimizers: (model size, [(stage index, module)],
     the stage modules, their TP plans, their optimizers). The full model is built from --seed on every rank;
-    this rank keeps its stages, then TP cuts them, then FSDP2 shards them."""
+    this rank keeps its stages, then TP cuts them, then FSDP2 shards them. A Hugging Face model is built
+    empty (on the meta device), cut and sharded so, and only then does each rank read its own part of the
+    weights from the files (harness/hf_model.py load_weights): no rank holds the whole model. (The memory
+    estimate on fake tensors reads no weights: ``read_weights`` False; the model's config.json is all it needs.)"""
     torch.manual_seed(args.seed)
-    full = spec.build()
+    # (the test's negative control, whole-model-load: every rank loads the whole model first, as before)
+    sharded_load = spec.build_empty is not None and not harness.faults.active("whole-model-load")
+    full = spec.build_empty() if sharded_load else spec.build()
     size = harness.model_size(full)
     # [(stage index, module)]: the GPT's stages of this PP rank; your model is one stage (no pipeline)
     local = parallelize.local_stages(full, layout, pp_rank) if spec.name == "gpt" else [(0, full)]
-    stages = [stage if device.type == "cpu" else stage.to(device) for _, stage in local]  # (fake tensors: no .to)
-    del full
+    stages = [stage if device.type == "cpu" or sharded_load else stage.to(device) for _, stage in local]
+    del full  # (fake tensors: no .to; the empty model goes to the device as its shards, below)
     plans = [parallelize.tensor_parallel_plan(stage) if layout.tp > 1 else {} for stage in stages]
     for stage, plan in zip(stages, plans):
         if layout.tp > 1:
@@ -189,6 +194,10 @@ def build_stages(args: argparse.Namespace, spec: harness.ModelSpec, layout: para
         if layout.fsdp:
             dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
             parallelize.apply_fsdp(stage, units, dp_mesh, dtype if dtype != torch.float32 else None)
+        if sharded_load:
+            stage.to_empty(device=device)
+            if read_weights:
+                spec.load_weights(stage)
     make_optimizer = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0),
                       "sgd": lambda ps: torch.optim.SGD(ps, lr=args.lr)}[args.optimizer]
     optimizers = [make_optimizer([p for p in stage.parameters() if p.requires_grad]) for stage in stages]
@@ -274,10 +283,11 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
     rows = args.global_batch // layout.dp
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32 and not layout.fsdp)
     own_pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 and measured else 0
-    peaks, in_flight = {}, {}  # by PP rank
+    peaks, in_flight, host = {}, {}, {}  # by PP rank
     with harness.memory.fake_tensors(not measured):
         for pp_rank in [own_pp_rank] if measured else range(layout.pp):
-            _, local, stages, _, optimizers = build_stages(args, spec, layout, mesh, pp_rank, device, dtype)
+            _, local, stages, _, optimizers = build_stages(args, spec, layout, mesh, pp_rank, device, dtype,
+                                                           read_weights=measured)
             if layout.pp == 1:
                 def forward_backward() -> None:
                     inputs = torch.randint(0, args.vocab_size, (rows, args.seq_len), device=device)
@@ -310,6 +320,7 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
                     train_step()
                 continue
             peaks[pp_rank] = harness.memory.tracked_peak(stages, optimizers, train_step, fsdp=layout.fsdp)
+            host[pp_rank] = harness.memory.host_bytes(stages, optimizers)
     if measured and layout.pp > 1:  # the first PP rank measured itself: rank 0's peak, for every rank to report
         every: list = [None] * world
         dist.all_gather_object(every, peaks.get(0))
@@ -331,6 +342,8 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
         code = harness.memory.report(
             RECIPE, peak, args.estimate_memory, f"{shape} ({world} ranks), {rows} rows of {args.seq_len} tokens per "
             f"rank{stage_note}, {str(dtype).removeprefix('torch.')}, {args.optimizer}", measured, advice)
+        if host:
+            harness.memory.report_host(RECIPE, host[largest], world)
         if layout.fsdp and layout.tp > 1 and not measured:
             print(f"[{RECIPE}] (FSDP2 x TP on fake tensors: the total is the real run's; its split between parameters "
                   "and activations is approximate)", flush=True)
@@ -339,7 +352,8 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
                 "world": world, "layout": layout.mesh_shape(), "rows": rows, "gpu": args.estimate_memory,
                 "gpu_bytes": capacity, "measured": measured, "peak_bytes": peak, "largest_pp_rank": largest,
                 "total_bytes_by_pp_rank": {str(r): peaks[r]["total"] for r in sorted(peaks)},
-                "in_flight_by_pp_rank": {str(r): in_flight[r] for r in sorted(in_flight)}}, indent=1) + "\n")
+                "in_flight_by_pp_rank": {str(r): in_flight[r] for r in sorted(in_flight)},
+                "host_bytes_per_rank": host.get(largest)}, indent=1) + "\n")
     if measured and world > 1:
         harness.leave_process_group()
     return code
@@ -380,7 +394,10 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     # ---- model: the full model from the seed on every rank; this rank keeps its stages, then TP, then FSDP2
-    size, local, stages, plans, optimizers = build_stages(args, spec, layout, mesh, coordinate["pp"], device, dtype)
+    # (a Hugging Face model: built empty, cut and sharded, then each rank reads its part of the weights)
+    host_memory = harness.HostMemory()  # (each rank's peak host memory while it loads, steps and exports)
+    with host_memory.phase("load"):
+        size, local, stages, plans, optimizers = build_stages(args, spec, layout, mesh, coordinate["pp"], device, dtype)
     # Frameworks fall back to no parallelism silently: check every parameter's DTensor mesh and placements.
     placements = parallelize.placements(stages, layout, plans)
     if mesh is not None:
@@ -399,12 +416,14 @@ def main(argv: list[str] | None = None) -> int:
                           fsdp_modules=[m for stage in stages for m in stage.modules() if isinstance(m, FSDPModule)],
                           applies={"tp-no-reduce": layout.tp > 1, "grad-sum": layout.fsdp, "no-grad-allreduce": layout.fsdp,
                                    "pp-loss-unscaled": layout.pp > 1 and layout.micro_batches > 1,
-                                   "rank-mean-loss": layout.dp > 1 and masked, "mask-ignored": masked})
+                                   "rank-mean-loss": layout.dp > 1 and masked, "mask-ignored": masked,
+                                   "whole-model-load": spec.load_weights is not None})
 
     checkpoint_dir = args.out_dir / "checkpoints"
     start_step, resumed = 0, None  # resumed: the checkpoint's metrics state
     if trainer_state:
-        load_dcp(resume_from, stages, optimizers)
+        with host_memory.phase("resume"):
+            load_dcp(resume_from, stages, optimizers)
         start_step, resumed = trainer_state["step"], trainer_state
         if env.rank == 0:
             print(f"[{RECIPE}] resumed from {resume_from} (step {start_step}, written with "
@@ -455,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- training loop: every DP rank its rows of the step's batch; TP and PP ranks of a replica the same
     data = harness.training_data(args)  # --data: synthetic or a token file
-    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device),
+                              host_memory=host_memory)
     for stage in stages:
         stage.train()
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch, dp_rank,
@@ -495,13 +515,15 @@ def main(argv: list[str] | None = None) -> int:
     # ---- prove from inside the run that the copies that must agree do: the full parameters of a stage
     # are the same on every rank that holds that stage (replicas over DP_replicate, TP's replicated ones)
     spread = stage_spread(stages, mesh, layout, coordinate["pp"])
+    if args.export_hf and not spread and run.last_step == args.max_steps:  # (a finished run whose ranks agree)
+        # tensor by tensor: every rank gathers each one (FSDP2's all-gathers, TP's), the rank whose file holds
+        # it writes it; no rank holds the whole model
+        with host_memory.phase("export"):
+            harness.export_sharded_model(stages[0], spec, args.export_hf, RECIPE, rank=env.rank, world_size=env.world_size,
+                                         barrier=dist.barrier if env.world_size > 1 else lambda: None)
     exit_code = run.finish(metrics, spread, differ="parameters differ across the ranks of a stage",
-                           extra={"async_checkpoint": args.async_checkpoint, "checkpoint_blocking_s": checkpoints.blocking_s})
-    if args.export_hf and exit_code == 0 and run.last_step == args.max_steps:  # (a finished run)
-        # every rank gathers its shards (FSDP2's all-gathers, TP's); rank 0 gets the whole model and writes it
-        whole = get_model_state_dict(stages[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if env.rank == 0:
-            harness.export_trained_model(None, spec, args.export_hf, RECIPE, state_dict=whole)
+                           extra={"async_checkpoint": args.async_checkpoint, "checkpoint_blocking_s": checkpoints.blocking_s,
+                                  "host_memory": harness.gather_from_ranks(host_memory.record(), env.world_size)})
     if env.world_size > 1:
         del schedule, local, stages, optimizers, mesh  # they hold the process groups: drop them before leaving
         harness.leave_process_group()

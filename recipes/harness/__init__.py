@@ -42,14 +42,14 @@ from .data import (ConversationData, masked_data, numpy_batches, numpy_token_bat
                    validation_loss)
 from .launch import (
     all_hostnames, check_expected_world_size, detect_dist_env, DistEnv, expand_hostlist,
-    EXPECTED_WORLD_SIZE_ENV, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
+    EXPECTED_WORLD_SIZE_ENV, gather_from_ranks, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
     mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed, tp_size,
 )
 from .metrics import (describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, tensorboard_dir,
                       transformer_flops_per_token)
-from .model import (check_export_option, check_model_vocabulary, export_trained_model, model_size, model_spec,
-                    ModelSpec)
-from .profiling import peak_memory, phase
+from .model import (check_export_option, check_model_vocabulary, export_sharded_model, export_trained_model, model_size,
+                    model_spec, ModelSpec)
+from .profiling import HostMemory, peak_memory, phase
 from .run import clip_gradients, learning_rate, set_learning_rate, torch_optimizer, TrainingRun
 from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
 
@@ -59,8 +59,9 @@ __all__ = [
     "clip_gradients", "learning_rate", "schedule_identity", "set_learning_rate",
     "all_hostnames", "atomic_write_bytes",
     "check_expected_world_size", "check_export_option", "check_model_vocabulary", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV",
-    "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV", "export_trained_model",
-    "gpu_for_local_rank", "gpu_peak_flops", "latest_checkpoint", "latest_checkpoint_dir", "leave_process_group",
+    "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV", "export_sharded_model",
+    "export_trained_model", "gather_from_ranks", "gpu_for_local_rank", "HostMemory", "gpu_peak_flops", "latest_checkpoint",
+    "latest_checkpoint_dir", "leave_process_group",
     "list_checkpoint_dirs", "list_checkpoints", "main_entry", "max_across_ranks", "max_difference_across_ranks",
     "mean_across_ranks", "MetricsLogger", "model_size", "model_spec", "ModelSpec", "new_parser", "nodes_in_job", "numpy_batches",
     "numpy_token_batch",

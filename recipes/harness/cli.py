@@ -166,6 +166,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--export-hf", type=Path, default=None, metavar="DIR",
                    help="with --model hf:...: at the end, the trained model as a Hugging Face directory "
                         "(safetensors, config, the source's tokenizer files) that from_pretrained loads")
+    g.add_argument("--allow-new-weights", action="store_true",
+                   help="with --model hf:...: train even where the model's files lack weights of its architecture "
+                        "(they start newly drawn, as transformers draws them); refused otherwise")
     g.add_argument("--lora-rank", type=int, default=None, metavar="R",
                    help="with --model hf:...: train LoRA adapters of rank R (peft) instead of the whole model "
                         "(recipes/ddp and recipes/fsdp_tp_pp); --export-hf merges them into the weights")

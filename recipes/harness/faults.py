@@ -28,6 +28,8 @@ fault then enters through the framework's own hooks:
     pack-unconfined        packed instruction data (--pack) given to the model as one sequence per window: its
                            positions do not restart at each conversation, and attention crosses conversations
                            (harness/data.py ConversationData)
+    whole-model-load       every rank loads the whole Hugging Face model before cutting and sharding it (the
+                           sharded load skipped: recipes/fsdp_tp_pp reads it where it builds the model)
     batch-p2p-with-vp      Megatron's batched p2p with virtual stages at PP 2 let through, which the recipe
                            refuses (it trains on swapped activations; recipes/megatron_tp_pp/layout.py)
 
@@ -48,7 +50,7 @@ from .errors import ConfigError
 FAULT_ENV = "HPCML_TEST_FAULT"
 FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "tp-no-reduce", "pp-loss-unscaled", "last-microbatch-loss",
           "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "batch-p2p-with-vp",
-          "track-every-step", "rank-mean-loss", "mask-ignored", "pack-unconfined")
+          "track-every-step", "rank-mean-loss", "mask-ignored", "pack-unconfined", "whole-model-load")
 
 
 def active(name: str) -> bool:
@@ -134,7 +136,7 @@ def inject(recipe: str, supported: Iterable[str], *, parameters: Iterable[Any] =
                **(applies or {})}
     check(recipe, supported, applies)
     if fault is None or fault in ("resume-data-from-start", "schedule-restart", "batch-p2p-with-vp",
-                                  "rank-mean-loss"):  # (where they act)
+                                  "rank-mean-loss", "whole-model-load"):  # (where they act)
         return fault
     parameters = list(parameters)
     if fault == "grad-sum" and fsdp_modules:  # FSDP's own switches: reduce with SUM and divide by 1

@@ -436,6 +436,17 @@ def all_hostnames(world_size: int) -> list[str]:
     return [str(n) for n in names]
 
 
+def gather_from_ranks(value, world_size: int) -> list:
+    """Every rank's ``value`` (picklable), in rank order, on every rank."""
+    if world_size == 1:
+        return [value]
+    import torch.distributed as dist
+
+    values = [None] * world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
 def mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
     value = value.detach()
     if world_size > 1:

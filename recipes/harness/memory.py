@@ -214,6 +214,32 @@ def report(recipe: str, peak: dict[str, int], gpu: str, layout: str, measured: b
     return 0 if fits else 1
 
 
+# A Perlmutter GPU node: 4 GPUs and 256 GB of host memory (the A100-80 nodes: 512 GB)
+RANKS_PER_NODE, NODE_HOST_BYTES = 4, 256 * 10**9
+
+
+def host_bytes(stages: list, optimizers: list) -> dict[str, int]:
+    """What a rank needs in host memory besides the process itself, in bytes: to load (the largest tensor,
+    whole: the most a rank reads at once; its shards then go to the GPU) and to write a checkpoint in the
+    background (--async-checkpoint copies the rank's parameters and optimizer state to host memory first)."""
+    import torch
+
+    params = [p for stage in stages for p in stage.parameters()]
+    local = [getattr(p, "_local_tensor", p) for p in params]
+    state = sum(t.numel() * t.element_size() for t in local) + sum(optimizer_state_bytes(o) for o in optimizers)
+    largest = max((p.numel() * torch.finfo(torch.float32).bits // 8 for p in params), default=0)
+    return {"load": largest, "async_checkpoint": state}
+
+
+def report_host(recipe: str, per_rank: dict[str, int], world: int) -> None:
+    """The host memory a node needs for the ranks it holds (RANKS_PER_NODE, or the world if fewer)."""
+    ranks = min(world, RANKS_PER_NODE)
+    load, checkpoint = (ranks * per_rank[kind] for kind in ("load", "async_checkpoint"))
+    print(f"[{recipe}] host memory per node ({ranks} ranks), besides the processes: {load / 2**30:.1f} GiB to load "
+          f"(each rank reads one tensor at a time), {checkpoint / 2**30:.1f} GiB for --async-checkpoint (each rank's "
+          f"model and optimizer state); a Perlmutter GPU node has {NODE_HOST_BYTES / 10**9:.0f} GB", flush=True)
+
+
 def advice(peak: dict[str, int], sharded_over: int, ranks: int, activation_checkpointing: bool) -> list[str]:
     """What to change when it does not fit, the largest kind of memory first."""
     states = peak["parameters"] + peak["gradients"] + peak["optimizer state"]

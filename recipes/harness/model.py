@@ -47,6 +47,13 @@ class ModelSpec:
     # what tensor parallelism must divide, e.g. {"--n-head": 4}: each TP rank takes whole heads (None: the
     # model's TP plan is not known before it is built; recipes/fsdp_tp_pp then defaults to --tp 1)
     tp_divides: dict[str, int] | None = None
+    # The sharded load (a Hugging Face model in safetensors; None otherwise): build_empty() is the model with
+    # its parameters on the meta device, which the recipe cuts and shards and moves off it (to_empty);
+    # load_weights(model) then fills each rank's part from the files (hf_model.load_weights). A memory
+    # estimate on fake tensors uses build_empty alone (from config.json; no weights need be there;
+    # build_empty(meta=False) under fake tensors: the whole model, fake).
+    build_empty: Callable[..., "torch.nn.Module"] | None = None
+    load_weights: Callable[["torch.nn.Module"], None] | None = None
 
 
 def model_spec(args, gpt: Callable | None = None, gpt_config=None) -> ModelSpec:
@@ -83,7 +90,9 @@ def hugging_face_spec(name: str, args) -> ModelSpec:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"--model {name}: {directory} has no config.json: it is not a Hugging Face model directory")
-    if not any((directory / weights).is_file() for weights in WEIGHT_FILES):
+    # (--estimate-memory on fake tensors reads no weights: config.json is all it needs, on a login node)
+    estimating = getattr(args, "estimate_memory", None) is not None and getattr(args, "world", None) is not None
+    if not estimating and not any((directory / weights).is_file() for weights in WEIGHT_FILES):
         raise ConfigError(f"--model {name}: {directory} has config.json but no weights ({', '.join(WEIGHT_FILES[:2])}): "
                           "save the model with save_pretrained, or download it on a login node first")
     if importlib.util.find_spec("transformers") is None:
@@ -120,6 +129,8 @@ def hugging_face_spec(name: str, args) -> ModelSpec:
     heads = {f"{key} (the model's config)": getattr(config, key) for key in ("num_attention_heads", "num_key_value_heads")
              if isinstance(getattr(config, key, None), int)}
 
+    seed = getattr(args, "seed", 0)
+
     def build(**load_options) -> "torch.nn.Module":
         import torch
         from transformers import AutoModelForCausalLM
@@ -128,9 +139,36 @@ def hugging_face_spec(name: str, args) -> ModelSpec:
 
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32,
                                                      **load_options)
-        return CausalLMLoss(with_lora(model, lora_rank) if lora_rank else model, args.seq_len)
+        return CausalLMLoss(with_lora(model, lora_rank, seed) if lora_rank else model, args.seq_len)
 
-    return ModelSpec(name, identity, build, vocab_size, heads or None)
+    def build_empty(meta: bool = True) -> "torch.nn.Module":
+        from .hf_model import empty_model
+
+        return empty_model(directory, config, lora_rank, args.seq_len, seed, meta)
+
+    def load_weights(model: "torch.nn.Module") -> None:
+        from .hf_model import load_weights as load
+
+        load(model, directory, seed)
+
+    in_safetensors = any((directory / weights).is_file() for weights in WEIGHT_FILES[:2])
+    missing = []
+    if in_safetensors and not estimating:  # (a shard missing or a file cut short: one line now, not a traceback)
+        from .hf_model import weight_files, weights_missing
+
+        missing = weights_missing(directory, config, weight_files(directory))
+        # A model whose files lack some of its weights would train from weights newly drawn (transformers only
+        # warns, "newly initialized"): not the model on disk, unless the user says that is what they want
+        if missing and not getattr(args, "allow_new_weights", False):
+            raise ConfigError(f"--model {name}: the weight files in {directory} hold no {missing[0]}"
+                              + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + f" of its {type(config).__name__.removesuffix('Config')} architecture: it would "
+                              "train from weights newly drawn, not the ones on disk; check that config.json and the "
+                              "weights are one model, or add --allow-new-weights if new weights are what you want")
+    # (--allow-new-weights with weights missing: the whole load, where from_pretrained draws them as it does)
+    sharded = (in_safetensors and not missing) or estimating
+    return ModelSpec(name, identity, build, vocab_size, heads or None,
+                     build_empty if sharded else None, load_weights if sharded and in_safetensors else None)
 
 
 # ---- your own model (and dataset: harness.data)
@@ -138,17 +176,64 @@ def hugging_face_spec(name: str, args) -> ModelSpec:
 
 def user_spec(name: str, args) -> ModelSpec:
     factory, _ = import_factory("--model", name)
+    if not takes(factory, args):
+        raise ConfigError(f"--model {name}: {factory.__name__} must take one argument, the run's options "
+                          f"(def {factory.__name__}(args): ... return the module)")
 
     def build() -> "torch.nn.Module":
         import torch
 
-        model = factory(args)
+        try:
+            model = factory(args)
+        except Exception as error:  # noqa: BLE001 (the user's code: one line, with where it was raised)
+            raise ConfigError(f"--model {name}: {factory.__name__}(args) raised {type(error).__name__}: "
+                              f"{str(error).strip()[:160]} ({raised_at(error)})") from None
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"--model {name}: {factory.__name__}(args) returned {type(model).__name__}, not a "
                               "torch.nn.Module whose forward(inputs, targets) returns the loss")
+        if not takes(model.forward, "inputs", "targets"):
+            raise ConfigError(f"--model {name}: {type(model).__name__}.forward must take (inputs, targets) and "
+                              "return the batch's mean loss (harness/model.py)")
+        check_first_loss(model, name)
         return model
 
     return ModelSpec(name, {"model_name": name}, build)
+
+
+def takes(function: Callable, *arguments) -> bool:
+    """Can ``function`` be called with these positional arguments (by its signature)?"""
+    import inspect
+
+    try:
+        inspect.signature(function).bind(*arguments)
+    except TypeError:
+        return False
+    except ValueError:  # (no signature to read: a builtin; let the call say)
+        return True
+    return True
+
+
+def raised_at(error: BaseException) -> str:
+    """file:line of the innermost frame of the exception's traceback (where the user's code raised it)."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+def check_first_loss(model: "torch.nn.Module", name: str) -> None:
+    """The contract's other half, checked on the first forward (a hook that then removes itself): the loss is
+    one number, a scalar tensor; a loss per token or per row would fail in backward with PyTorch's words."""
+    import torch
+
+    def hook(module, inputs, output) -> None:
+        handle.remove()
+        if not (isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point()):
+            shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise ConfigError(f"--model {name}: {type(module).__name__}.forward(inputs, targets) returned {shape}, "
+                              "not the batch's mean loss (a scalar float tensor): reduce it, e.g. loss.mean()")
+
+    handle = model.register_forward_hook(hook)
 
 
 def import_factory(option: str, value: str):
@@ -231,3 +316,17 @@ def export_trained_model(model: "torch.nn.Module", spec: ModelSpec, target: Path
     files = export_hugging_face(model, Path(spec.name.removeprefix("hf:")), Path(target))
     print(f"[{recipe}] exported the trained model to {target} ({', '.join(files)}): "
           "AutoModelForCausalLM.from_pretrained loads it", flush=True)
+
+
+def export_sharded_model(model: "torch.nn.Module", spec: ModelSpec, target: Path, recipe: str, *, rank: int,
+                         world_size: int, barrier: Callable[[], None]) -> None:
+    """--export-hf from a model cut and sharded over the ranks (FSDP2, TP): every rank calls it; the model is
+    written tensor by tensor, each gathered whole in turn and written by one rank, so that no rank holds the
+    whole model (hf_model.export_streaming). The directory is the one export_trained_model writes."""
+    from .hf_model import export_streaming, whole_of
+
+    files = export_streaming(model, whole_of(model), Path(spec.name.removeprefix("hf:")), Path(target), rank=rank,
+                             world_size=world_size, barrier=barrier)
+    if rank == 0:
+        print(f"[{recipe}] exported the trained model to {target} ({', '.join(files)}), written by {world_size} "
+              "rank(s) a tensor at a time: AutoModelForCausalLM.from_pretrained loads it", flush=True)

@@ -8,13 +8,17 @@
   trace and, on a GPU, as an NVTX range in Nsight Systems. Costs nothing measurable when nothing records.
 - ``peak_memory()``: this process's peak resident memory (CPU) and, on a GPU, PyTorch's peak allocated and
   reserved memory, for metrics.json.
+- ``HostMemory``: a rank's host memory by phase of the run (loading the model, its first step, the export), as
+  the peak above what the rank held before it built the model: metrics.json's host_memory, one entry per rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
+import threading
 from pathlib import Path
 
 from .errors import ConfigError
@@ -100,3 +104,55 @@ def peak_memory() -> dict:
     if cuda is not None:
         peak.update(gpu_allocated_bytes=cuda.max_memory_allocated(), gpu_reserved_bytes=cuda.max_memory_reserved())
     return peak
+
+
+def anonymous_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon: what its tensors and allocators hold), not the file
+    pages it maps (safetensors files read by mmap: the page cache, which the kernel drops under pressure)."""
+    with open("/proc/self/statm") as statm:
+        _, resident, shared = statm.read().split()[:3]
+    return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+
+
+class HostMemory:
+    """A rank's host memory by phase: the peak of its anonymous resident memory while the phase ran, above
+    the baseline taken when this object is made (after the imports and the process group, before the model).
+    A thread samples /proc/self/statm every ``INTERVAL_S`` while a phase runs, and only then (a spike shorter
+    than that can be missed; a model held whole, as the sharded load exists to avoid, lasts far longer).
+    Linux only; elsewhere it records nothing."""
+
+    INTERVAL_S = 0.002
+
+    def __init__(self):
+        self.available = os.path.exists("/proc/self/statm")
+        self.baseline = anonymous_bytes() if self.available else 0
+        self.peaks: dict[str, int] = {}
+        self.starts: dict[str, int] = {}  # what the rank held when the phase began, above the baseline
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self.available:
+            yield
+            return
+        peak, stop = [anonymous_bytes()], threading.Event()
+        self.starts.setdefault(name, peak[0] - self.baseline)
+
+        def sample() -> None:
+            while not stop.wait(self.INTERVAL_S):
+                peak[0] = max(peak[0], anonymous_bytes())
+
+        sampler = threading.Thread(target=sample, name=f"host-memory-{name}", daemon=True)
+        sampler.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            sampler.join()
+            peak[0] = max(peak[0], anonymous_bytes())
+            self.peaks[name] = max(self.peaks.get(name, 0), peak[0] - self.baseline)
+
+    def record(self) -> dict:
+        """What metrics.json keeps for this rank, in bytes: the baseline, and for each phase what the rank held
+        when it began and its peak, both above the baseline."""
+        return {"baseline_bytes": self.baseline, **{f"{name}_start_bytes": start for name, start in self.starts.items()},
+                **{f"{name}_peak_bytes": peak for name, peak in self.peaks.items()}}

@@ -36,8 +36,9 @@ class TrainingRun:
     identity for one process."""
 
     def __init__(self, recipe: str, args: argparse.Namespace, rank: int, start_step: int,
-                 agree: Callable[[int], int] | None = None):
+                 agree: Callable[[int], int] | None = None, host_memory=None):
         self.recipe, self.args, self.rank = recipe, args, rank
+        self.host_memory = host_memory  # (a HostMemory: the first step's peak, "step", recorded in it)
         self.start_step = self.last_step = start_step
         self.stopped_by = 0
         self._agree = agree or (lambda value: value)
@@ -53,18 +54,27 @@ class TrainingRun:
         ``batches``, (step, batch) pairs, and the wait for each batch timed on its own (the data loader's
         share of the step time, in metrics.json)."""
         batches = iter(batches) if batches is not None else None
-        for step in range(self.start_step + 1, self.args.max_steps + 1):
-            self._step_started = time.perf_counter()
-            if self.profiler:
-                self.profiler.step_starts(step)
-            if batches is None:
-                yield step
-                continue
-            batch = next(batches, None)
-            if batch is None:
-                return
-            self.data_seconds += time.perf_counter() - self._step_started
-            yield step, batch
+        first_step = self.host_memory.phase("step") if self.host_memory else None  # (its peak host memory)
+        if first_step:
+            first_step.__enter__()
+        try:
+            for step in range(self.start_step + 1, self.args.max_steps + 1):
+                if first_step and step == self.start_step + 2:
+                    first_step, _ = None, first_step.__exit__(None, None, None)
+                self._step_started = time.perf_counter()
+                if self.profiler:
+                    self.profiler.step_starts(step)
+                if batches is None:
+                    yield step
+                    continue
+                batch = next(batches, None)
+                if batch is None:
+                    return
+                self.data_seconds += time.perf_counter() - self._step_started
+                yield step, batch
+        finally:
+            if first_step:
+                first_step.__exit__(None, None, None)
 
     def step_time(self) -> float:
         """Seconds since the current step began (call it once the step's loss is known on every rank)."""

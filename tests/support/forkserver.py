@@ -82,6 +82,7 @@ def run_child(request: dict, rank: int, out_fd: int, err_fd: int, keep_closed: l
         signal.signal(signal.SIGINT, signal.default_int_handler)  # (SIGPIPE stays ignored, as CPython sets it)
         os.environ.clear()
         os.environ.update(request["env"][rank])
+        apply_malloc_environment(os.environ)
         os.chdir(request["cwd"])
         script = request["script"]
         sys.argv = [script, *request["args"]]
@@ -91,6 +92,18 @@ def run_child(request: dict, rank: int, out_fd: int, err_fd: int, keep_closed: l
         code = run_script(script)
     finally:
         os._exit(code)
+
+
+def apply_malloc_environment(environ) -> None:
+    """glibc reads MALLOC_MMAP_THRESHOLD_ when a process starts; a forked rank started long ago, so it is set as
+    glibc would set it (mallopt M_MMAP_THRESHOLD, which also ends the threshold's dynamic growth)."""
+    value = environ.get("MALLOC_MMAP_THRESHOLD_")
+    if value:
+        import ctypes
+
+        M_MMAP_THRESHOLD = -3
+        if ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(value)) != 1:
+            raise SystemExit(f"forkserver: mallopt(M_MMAP_THRESHOLD, {value}) failed")
 
 
 def run_script(script: str) -> int:
