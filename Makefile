@@ -44,7 +44,7 @@ PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 
 	test-cuda-images test-scale \
 	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
-	bench bench-quick bench-data bench-checkpoint bench-packing gpu-check nccl-check
+	bench bench-quick bench-data bench-checkpoint bench-packing fit-table gpu-check nccl-check
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -56,6 +56,7 @@ help:
 	@echo "docs:    docs (the site, --strict, in site/), docs-serve (http://127.0.0.1:8000), docs-check (screenshots)"
 	@echo "bench:   bench (about 30 min), bench-quick, bench-data (the token-file loader, DATA=PREFIX),"
 	@echo "         bench-packing (instruction data: padded, --pack, a bare loop);"
+	@echo "         fit-table (Llama-3-8B and -70B on Perlmutter, from config.json alone);"
 	@echo "         gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
 	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
 
@@ -248,6 +249,12 @@ bench-data: venv
 # against a bare loop on the same batches (runs/bench-packing/packing.json; bench/packing.md: the last full run).
 bench-packing: venv
 	OMP_NUM_THREADS=1 $(PY) bench/packing.py --out runs/bench-packing
+
+# Will Llama-3-8B and -70B fit on Perlmutter (A100-40/80), FSDP2, FSDP2 x TP and ZeRO-3, with activation
+# checkpointing on and off: estimated from config.json alone, ~15 min (runs/fit-table/fit_table.{json,md};
+# bench/fit_table.md: the last run, in docs/which-parallelism.md).
+fit-table: venv
+	OMP_NUM_THREADS=1 $(PY) bench/fit_table.py --out runs/fit-table
 
 # How long a checkpoint holds training up, written in the foreground vs --async-checkpoint (FSDP2, DCP):
 # runs/bench-checkpoint/checkpoint_save.json.

@@ -121,6 +121,22 @@ def test_the_data_loader_table_is_its_results_file_included(site):
     assert f"{result['training_tokens_per_s']:,.0f}" in shown and f"{result['loader']['cold']['tokens_per_s']:,.0f}" in shown
 
 
+def test_the_fit_table_is_its_results_file_included(site):
+    """docs/which-parallelism.md includes bench/fit_table.md, bench/fit_table.py's rendering of the committed
+    bench/fit_table.json: Llama-3-8B and -70B, each layout with and without activation checkpointing."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from fit_table import LAYOUTS, table
+
+    result = json.loads((REPO / "bench" / "fit_table.json").read_text())
+    assert table(result) == (REPO / "bench" / "fit_table.md").read_text()
+    assert {(row["model"], row["nodes"]) for row in result["rows"]} == {(model, nodes) for model, nodes, _ in LAYOUTS}
+    assert "<!-- include bench/fit_table.md -->" in (DOCS / "which-parallelism.md").read_text()
+    shown = page_text(site, "which-parallelism")
+    assert "Llama-3-70B" in shown and f"{result['rows'][0]['gpu_bytes'] / 2**30:.1f} GiB" in shown
+
+
 def paths_named(text: str) -> set[str]:
     code = re.findall(r"```[a-z]*\n(.*?)```", text, re.S) + re.findall(r"`([^`\n]+)`", text)
     named = set()

@@ -164,7 +164,10 @@ def test_ddp_holds_the_whole_model_and_its_buckets_on_every_rank(tmp_path):
     """DDP on 4 ranks: the model's states of one process (nothing sharded), a quarter of its activations (a
     quarter of the rows), and DDP's gradient buckets, one more copy of the gradients."""
     _, _, alone = estimate(tmp_path, "ddp-alone", 1, [])
-    _, _, four = estimate(tmp_path, "ddp-four", 4, [])
+    _, stdout, four = estimate(tmp_path, "ddp-four", 4, [])
+    whole = alone["peak_bytes"]["parameters"]  # (fp32: the model's bytes)
+    assert (f"host memory per node (4 ranks): {4 * whole / 2**30:.1f} GiB to load: DDP keeps a whole replica on every "
+            "rank by design") in stdout, stdout
     for kind in ("parameters", "optimizer state"):
         assert four["peak_bytes"][kind] == alone["peak_bytes"][kind]
     assert alone["peak_bytes"]["communication buffers"] == 0

@@ -13,6 +13,8 @@ built the model: harness.HostMemory) must stay within
     resume   on 2 ranks from the 4 ranks' checkpoint: the load within half the model + the largest tensor +
              MARGIN, and the resume adding no more than that
 
+DeepSpeed ZeRO-3 on the same 4 ranks (transformers loads it under zero.Init): the load and export bounds.
+
 and the negative control (HPCML_TEST_FAULT=whole-model-load: every rank loads the whole model before sharding,
 as the recipe did before) must exceed the load bound on every rank. The runs fix glibc's mmap threshold
 (MALLOC_MMAP_THRESHOLD_): otherwise glibc keeps the freed buffers of FSDP2's gathers in its heap, and the
@@ -43,8 +45,9 @@ MARGIN = 24 * MiB  # the meta model's Python objects, DCP's read plan, the slice
 STEP_MARGIN = 48 * MiB  # gloo's copies of FSDP2's gathers, the autograd engine, what the estimate does not track
 SHAPE = {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 128}
-RUN = ["--tp", "1", "--dp-shard", "4", "--vocab-size", "4096", "--seq-len", "32", "--global-batch", "4",
-       "--max-steps", "2", "--optimizer", "sgd", "--checkpoint-every", "0"]
+RUN = ["--tp", "1", "--dp-shard", "4",  # (RUN[4:]: without the layout, for DeepSpeed)
+       "--vocab-size", "4096", "--seq-len", "32", "--global-batch", "4", "--max-steps", "2", "--optimizer", "sgd",
+       "--checkpoint-every", "0"]
 MEASURED = {"MALLOC_MMAP_THRESHOLD_": str(MiB), "OMP_NUM_THREADS": "1"}
 
 
@@ -93,13 +96,33 @@ def model_bytes() -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
+def test_zero3_loads_and_exports_within_the_same_bound(llama_126mb, tmp_path):
+    """DeepSpeed ZeRO-3 on the same 4 ranks: transformers' own load under zero.Init (each parameter
+    partitioned as it is read) and the export a tensor at a time keep within the same bounds; the engine's
+    own buffers (its flat partitions and buckets: DeepSpeed's) are recorded apart, as "engine"."""
+    total, largest = model_bytes()
+    result = run_recipe(REPO / "recipes" / "deepspeed" / "train.py", tmp_path / "run", 4, "--model", f"hf:{llama_126mb}",
+                        "--zero-stage", "3", *RUN[4:],
+                        "--export-hf", str(tmp_path / "export"), timeout=600, **MEASURED)
+    assert_ok(result)
+    memory = read_metrics(tmp_path / "run")["host_memory"]
+    assert len(memory) == 4 and all("engine_peak_bytes" in rank for rank in memory)
+    loads = [rank["load_peak_bytes"] for rank in memory]
+    exports = [rank["export_peak_bytes"] - rank["export_start_bytes"] for rank in memory]
+    assert max(loads) <= total / 4 + largest + MARGIN, loads
+    assert max(exports) <= largest + MARGIN, exports
+    print(f"ZeRO-3, per rank, MB: load {[round(b / 1e6, 1) for b in loads]}, engine adds "
+          f"{[round((r['engine_peak_bytes'] - r['engine_start_bytes']) / 1e6, 1) for r in memory]}, step "
+          f"{[round(r['step_peak_bytes'] / 1e6, 1) for r in memory]}, export adds {[round(b / 1e6, 1) for b in exports]}")
+
+
 @pytest.mark.parametrize("fault", [None, "whole-model-load"])
 def test_each_rank_holds_its_share_to_load_step_and_export(fault, llama_126mb, tmp_path):
     total, largest = model_bytes()
     assert 120e6 < total < 130e6 and largest < total / 10  # (the shape this test is about)
     fault_env = {"HPCML_TEST_FAULT": fault} if fault else {}
-    result = run_recipe(RECIPE, tmp_path / "run", 4, "--model", f"hf:{llama_126mb}", *RUN, "--export-hf",
-                        str(tmp_path / "export"), timeout=600, **MEASURED, **fault_env)
+    result = run_recipe(RECIPE, tmp_path / "run", 4, "--model", f"hf:{llama_126mb}", *RUN,
+                        *([] if fault else ["--export-hf", str(tmp_path / "export")]), timeout=600, **MEASURED, **fault_env)
     assert_ok(result)
     memory = read_metrics(tmp_path / "run")["host_memory"]
     assert len(memory) == 4
@@ -108,6 +131,7 @@ def test_each_rank_holds_its_share_to_load_step_and_export(fault, llama_126mb, t
     if fault:  # every rank held the whole model: caught
         assert min(loads) > load_bound, (loads, load_bound)
         assert min(loads) > total, loads
+        print(f"whole-model-load, per rank, MB: load {[round(b / 1e6, 1) for b in loads]} (bound {load_bound / 1e6:.1f})")
         return
     assert max(loads) <= load_bound, (loads, load_bound)
 

@@ -140,6 +140,11 @@ def estimate_memory(args: argparse.Namespace, spec: harness.ModelSpec) -> int:
             ["FSDP2 instead of DDP (recipes/fsdp_tp_pp: parameters, gradients and optimizer state sharded over the ranks)",
              f"fewer rows per rank (more --grad-accum micro-batches, a smaller --global-batch than {args.global_batch}, "
              "or more ranks)"])
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        ranks = min(world, harness.memory.RANKS_PER_NODE)
+        print(f"[{RECIPE}] host memory per node ({ranks} ranks): {ranks * whole / 2**30:.1f} GiB to load: DDP keeps a whole "
+              "replica on every rank by design, and each rank loads the whole model (recipes/fsdp_tp_pp shards it "
+              "as it loads)", flush=True)
         if args.estimate_json:
             args.estimate_json.write_text(json.dumps({"world": world, "layout": {"dp": world}, "rows": rows,
                                                       "gpu": args.estimate_memory, "gpu_bytes": capacity,

@@ -382,22 +382,25 @@ def main(argv: list[str] | None = None) -> int:
     # ---- model: same seed on every rank (the pipeline: each stage its layers of the same GPT); the engine
     # owns the optimizer, the sharding and the reductions
     zero3_loading = None
-    if pp > 1:
-        deepspeed.init_distributed(dist_backend=backend)  # the pipeline's process topology needs DeepSpeed's comm
-        model, size = pipeline.build(model_cfg, pp, args.seed, args.partition_method, args.activation_checkpointing)
-    else:
-        torch.manual_seed(args.seed)
-        # ZeRO-3 and a Hugging Face model: from_pretrained loads it straight into shards (zero.Init through the
-        # transformers integration, which reads this config while it is alive), so no rank holds it whole
-        zero3_loading = hugging_face_zero3_loading(ds_config) if stage == 3 and spec.name.startswith("hf:") else None
-        model = spec.build()
-        if zero3_loading is not None:  # (the integration falls back to a whole model silently: check)
-            assert all(hasattr(p, "ds_id") for p in model.parameters()), "from_pretrained did not load under zero.Init"
-        size = harness.model_size(model)  # (parameters counted whole; ZeRO-3's are shards)
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    client_optimizer = torch.optim.SGD(parameters, lr=sgd_lr) if sgd_lr else None
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, optimizer=client_optimizer,
-                                           config=ds_config)
+    host_memory = harness.HostMemory()  # (each rank's peak host memory while it loads, steps and exports)
+    with host_memory.phase("load"):
+        if pp > 1:
+            deepspeed.init_distributed(dist_backend=backend)  # the pipeline's process topology needs DeepSpeed's comm
+            model, size = pipeline.build(model_cfg, pp, args.seed, args.partition_method, args.activation_checkpointing)
+        else:
+            torch.manual_seed(args.seed)
+            # ZeRO-3 and a Hugging Face model: from_pretrained loads it straight into shards (zero.Init through the
+            # transformers integration, which reads this config while it is alive), so no rank holds it whole
+            zero3_loading = hugging_face_zero3_loading(ds_config) if stage == 3 and spec.name.startswith("hf:") else None
+            model = spec.build()
+            if zero3_loading is not None:  # (the integration falls back to a whole model silently: check)
+                assert all(hasattr(p, "ds_id") for p in model.parameters()), "from_pretrained did not load under zero.Init"
+            size = harness.model_size(model)  # (parameters counted whole; ZeRO-3's are shards)
+    with host_memory.phase("engine"):  # (DeepSpeed's own buffers: its flat partitions, its buckets)
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        client_optimizer = torch.optim.SGD(parameters, lr=sgd_lr) if sgd_lr else None
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, optimizer=client_optimizer,
+                                               config=ds_config)
     # Frameworks fall back to no parallelism silently: check from inside what DeepSpeed built.
     assert isinstance(engine, deepspeed.PipelineEngine if pp > 1 else deepspeed.DeepSpeedEngine)
     assert engine.zero_optimization_stage() == stage and engine.world_size == env.world_size == dist.get_world_size()
@@ -460,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- training loop: one optimizer step = --grad-accum micro-batches on every rank
     data = harness.training_data(args)  # --data: synthetic or a token file
-    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device),
+                              host_memory=host_memory)
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), global_batch, dp_rank, dp,
                                    device)  # (--data-workers: read ahead)
     # DeepSpeed computes the global gradient norm for ZeRO 1-3 and bf16; at ZeRO-0 in fp32 (clipping or not) it
@@ -510,14 +514,21 @@ def main(argv: list[str] | None = None) -> int:
     # parameters are shards, gathered first; the pipeline: the DP replicas of each stage)
     parameters = list(engine.module.parameters())
     group = engine.grid.get_data_parallel_group() if pp > 1 else None
-    with deepspeed.zero.GatheredParameters(parameters, enabled=stage == 3):
+    if stage == 3:  # a parameter at a time: no rank holds the whole model, not even to check it
+        spread = 0.0
+        for parameter in parameters:
+            with deepspeed.zero.GatheredParameters([parameter]):
+                spread = max(spread, harness.max_difference_across_ranks([parameter], dp, group=group))
+    else:
         spread = harness.max_difference_across_ranks(parameters, dp, group=group)
-    exit_code = run.finish(metrics, spread)
-    if args.export_hf and exit_code == 0 and run.last_step == args.max_steps:  # (a finished run)
-        # ZeRO-3: every rank takes part in gathering the shards; rank 0 writes the whole model
-        with deepspeed.zero.GatheredParameters(parameters, enabled=stage == 3):
-            if is_rank0:
-                harness.export_trained_model(engine.module, spec, args.export_hf, RECIPE)
+    if args.export_hf and not spread and run.last_step == args.max_steps:  # (a finished run whose ranks agree)
+        # a tensor at a time (ZeRO-3: every rank takes part in gathering each one; the rank whose file holds
+        # it writes it)
+        with host_memory.phase("export"):
+            harness.export_sharded_model(engine.module, spec, args.export_hf, RECIPE, rank=env.rank,
+                                         world_size=env.world_size, barrier=dist.barrier)
+    exit_code = run.finish(metrics, spread,
+                           extra={"host_memory": harness.gather_from_ranks(host_memory.record(), env.world_size)})
     engine.destroy()  # the engine holds the process group: drop it before leaving the group
     engine = None  # (the closures above share this variable: the last reference goes with it)
     harness.leave_process_group()

@@ -111,8 +111,8 @@ def set_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
 # ---- the sharded load: a model built on the meta device, cut and sharded, then each rank reads its own part
 
 
-def empty_model(directory: Path, config, lora_rank: int | None, seq_len: int, seed: int, meta: bool = True) -> CausalLMLoss:
-    """The model of ``directory`` as from_pretrained builds it, with every parameter on the meta device (no
+def empty_model(config, lora_rank: int | None, seq_len: int, seed: int, meta: bool = True) -> CausalLMLoss:
+    """The model of ``config`` as from_pretrained builds it, with every parameter on the meta device (no
     memory, no weights read): what a recipe cuts and shards before ``load_weights`` fills each rank's part.
     ``meta`` False: built where tensors are made now (under fake tensors: the memory estimate's whole model)."""
     from transformers import AutoModelForCausalLM
@@ -167,10 +167,16 @@ def weights_missing(directory: Path, config, on_disk: dict[str, Path]) -> list[s
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    twins: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        twins.setdefault(id(param), []).append(name)
+    twins = parameter_names(model)
     return [names[0] for names in twins.values() if not any(name in on_disk for name in names)]
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in ``model`` (a tied weight has two)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
 
 
 def check_whole(file: Path) -> None:
@@ -203,9 +209,7 @@ def load_weights(wrapped: CausalLMLoss, directory: Path, seed: int) -> None:
 
     model = wrapped.base
     on_disk = weight_files(directory)
-    twins: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        twins.setdefault(id(param), []).append(name)
+    twins = parameter_names(model)
     wanted, missing = {}, []
     for name, param in model.named_parameters():
         if ".lora_" in name:
@@ -271,7 +275,8 @@ def exported_tensors(wrapped: CausalLMLoss, whole: Callable[[str], torch.Tensor]
             producer = functools.partial(_merged, producer, functools.partial(whole, f"{prefix}{owner_name}.lora_A.default.weight"),
                                          functools.partial(whole, f"{prefix}{owner_name}.lora_B.default.weight"),
                                          owner.scaling["default"])
-        found.append((name.replace(".base_layer.", "."), tuple(param.shape), param.dtype, producer))
+        shape = tuple(getattr(param, "ds_shape", param.shape))  # (ZeRO-3: the whole shape, not the shard's)
+        found.append((name.replace(".base_layer.", "."), shape, param.dtype, producer))
     persistent = set(model.state_dict())
     for name, buffer in model.named_buffers():
         if name in persistent:
@@ -280,14 +285,20 @@ def exported_tensors(wrapped: CausalLMLoss, whole: Callable[[str], torch.Tensor]
 
 
 def whole_of(module: torch.nn.Module) -> Callable[[str], torch.Tensor]:
-    """name -> that parameter or buffer of ``module`` whole: a DTensor gathered from its shards (a collective:
-    every rank of its mesh calls it), a plain tensor as it is."""
+    """name -> that parameter or buffer of ``module`` whole: a DTensor gathered from its shards, a ZeRO-3
+    parameter from its partitions (collectives: every rank calls it), a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
     named = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
 
     def whole(name: str) -> torch.Tensor:
-        tensor = named[name].detach()
+        tensor = named[name]
+        if hasattr(tensor, "ds_id"):  # DeepSpeed ZeRO-3's partitioned parameter: gathered, copied, released
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([tensor]):
+                return tensor.detach().clone()
+        tensor = tensor.detach()
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
     return whole

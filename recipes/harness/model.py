@@ -144,7 +144,7 @@ def hugging_face_spec(name: str, args) -> ModelSpec:
     def build_empty(meta: bool = True) -> "torch.nn.Module":
         from .hf_model import empty_model
 
-        return empty_model(directory, config, lora_rank, args.seq_len, seed, meta)
+        return empty_model(config, lora_rank, args.seq_len, seed, meta)
 
     def load_weights(model: "torch.nn.Module") -> None:
         from .hf_model import load_weights as load
