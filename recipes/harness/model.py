@@ -302,17 +302,13 @@ def check_export_target(target: Path, option: str) -> None:
         raise ConfigError(f"{option} {target}: cannot create it in {existing}: name a directory you can write")
 
 
-def export_trained_model(model: "torch.nn.Module", spec: ModelSpec, target: Path, recipe: str,
-                         state_dict: dict | None = None) -> None:
-    """--export-hf: the trained model (the CausalLMLoss a recipe trained, unwrapped) as a Hugging Face
-    directory that from_pretrained loads, with the source directory's tokenizer (LoRA: its adapters merged
-    into the weights, and the adapters alone in DIR/adapter). One rank calls it. ``state_dict``: the trained
-    weights gathered from shards (FSDP2, TP), loaded into a new ``spec.build()`` (``model`` is then None)."""
+def export_trained_model(model: "torch.nn.Module", spec: ModelSpec, target: Path, recipe: str) -> None:
+    """--export-hf: the trained model (the CausalLMLoss a recipe trained, unwrapped, whole on this rank) as a
+    Hugging Face directory that from_pretrained loads, with the source directory's tokenizer (LoRA: its
+    adapters merged into the weights, and the adapters alone in DIR/adapter). One rank calls it. A model cut
+    and sharded over the ranks: export_sharded_model."""
     from .hf_model import export_hugging_face
 
-    if state_dict is not None:
-        model = spec.build()
-        model.load_state_dict(state_dict)
     files = export_hugging_face(model, Path(spec.name.removeprefix("hf:")), Path(target))
     print(f"[{recipe}] exported the trained model to {target} ({', '.join(files)}): "
           "AutoModelForCausalLM.from_pretrained loads it", flush=True)
