@@ -27,6 +27,7 @@ numbers; these are the memory.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -148,8 +149,7 @@ def test_each_rank_holds_its_share_to_load_step_and_export(fault, llama_126mb, t
     assert max(exports) <= largest + MARGIN, (exports, largest + MARGIN)
     from safetensors import safe_open  # the export: every tensor, in fp32, one file set
     with safe_open(str(tmp_path / "export" / "model.safetensors"), framework="pt") as exported:
-        assert sum(exported.get_slice(name).get_shape()[0] * (exported.get_slice(name).get_shape()[1:] or [1])[0] * 4
-                   for name in exported.keys()) == total
+        assert sum(math.prod(exported.get_slice(name).get_shape()) * 4 for name in exported.keys()) == total
 
     # resumed on 2 ranks from the 4 ranks' checkpoint (DCP reshards it): the load and the resume stay within a
     # half each (the resume reads into the model and optimizer in place; SGD keeps no state)
