@@ -9,6 +9,7 @@ built the model: harness.HostMemory) must stay within
     load     the model / 4 + its largest tensor + MARGIN
     step     the recipe's own estimate of the step on this layout (--estimate-memory, fake tensors, from
              config.json alone) + STEP_MARGIN
+    check    the end-of-run check that the ranks agree adding at most 4 x the largest tensor + MARGIN
     export   what the rank held before the export + the largest tensor + MARGIN
     resume   on 2 ranks from the 4 ranks' checkpoint: the load within half the model + the largest tensor +
              MARGIN, and the resume adding no more than that
@@ -28,14 +29,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from support.cluster import HOST_SHAPED_DIR, job_state, submit_recipe
 from support.curves import read_metrics
-from support.runs import assert_ok, python, recipe_env, REPO, run_recipe, torchrun
+from support.runs import assert_ok, python, recipe_env, REPO, run, run_recipe, torchrun
 
 sys.path.insert(0, str(REPO / "recipes"))
 import harness  # noqa: E402
@@ -147,6 +150,10 @@ def test_each_rank_holds_its_share_to_load_step_and_export(fault, llama_126mb, t
 
     exports = [rank["export_peak_bytes"] - rank["export_start_bytes"] for rank in memory]
     assert max(exports) <= largest + MARGIN, (exports, largest + MARGIN)
+    # the end-of-run check that the ranks agree: a parameter gathered at a time (the tensor, its flat copy and
+    # the max and min being reduced), never the whole model
+    checks = [rank["check_peak_bytes"] - rank["check_start_bytes"] for rank in memory]
+    assert max(checks) <= 4 * largest + MARGIN, (checks, 4 * largest + MARGIN)
     from safetensors import safe_open  # the export: every tensor, in fp32, one file set
     with safe_open(str(tmp_path / "export" / "model.safetensors"), framework="pt") as exported:
         assert sum(math.prod(exported.get_slice(name).get_shape()) * 4 for name in exported.keys()) == total
@@ -166,10 +173,60 @@ def test_each_rank_holds_its_share_to_load_step_and_export(fault, llama_126mb, t
     assert max(resumes) <= half_bound, (resumes, half_bound)
     print(f"per rank, MB above baseline: load {[round(b / 1e6, 1) for b in loads]} (bound {load_bound / 1e6:.1f}), "
           f"step {[round(b / 1e6, 1) for b in steps]} (bound {step_bound / 1e6:.1f}), export adds "
-          f"{[round(b / 1e6, 1) for b in exports]} (bound {(largest + MARGIN) / 1e6:.1f}); on 2 ranks: load "
+          f"{[round(b / 1e6, 1) for b in exports]} (bound {(largest + MARGIN) / 1e6:.1f}), the check adds "
+          f"{[round(b / 1e6, 1) for b in checks]} (bound {(4 * largest + MARGIN) / 1e6:.1f}); on 2 ranks: load "
           f"{[round(rank['load_peak_bytes'] / 1e6, 1) for rank in again]}, resume adds {[round(b / 1e6, 1) for b in resumes]} "
           f"(bound {half_bound / 1e6:.1f})")
 
+
+
+# A Llama of 1.7 GB in fp32 (860 MB as bf16 files): large enough that the whole model on each of a node's 2 ranks
+# stands far apart from their shares, small enough for a CPU step of LoRA on it.
+LARGER = {"vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 32,
+          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 128}
+JOB_MEMORY_MIB = 3500
+
+
+@pytest.mark.slurm
+@pytest.mark.full
+def test_a_job_under_a_memory_limit_trains_sharded_where_loading_the_whole_model_is_killed(host_shaped_cluster, tmp_path):
+    """The proof a user would believe: slurm/fsdp_tp_pp.sh on one node of the host-shaped cluster (task/cgroup,
+    ConstrainRAMSpace: the job's --mem is a hard limit), 2 ranks, LoRA on a Llama of 860 MB in fp32, with
+    --mem=JOB_MEMORY_MIB. The sharded load trains (COMPLETED, each rank's host memory in metrics.json); the
+    whole model on every rank (HPCML_TEST_FAULT=whole-model-load, the recipe's old path) is ended by the
+    kernel's OOM killer (OUT_OF_MEMORY). Full tier: ~2 minutes, and the bound test above proves the same
+    per rank, within stated margins, in the default tier."""
+    config = run(["scontrol", "show", "config"], env=recipe_env(**host_shaped_cluster)).stdout
+    if not re.search(r"^ConstrainRAMSpace\s*=\s*yes", config, re.M):
+        pytest.skip("this machine's cgroup v1 memory hierarchy is not writable: the host-shaped cluster sets no "
+                    "memory limit per job (tests/cluster/local_slurm.sh)")
+    model = save_llama(tmp_path / "llama", torch.bfloat16, **LARGER)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    with torch.device("meta"):
+        total = sum(p.numel() * 4 for p in LlamaForCausalLM(LlamaConfig(**LARGER)).parameters())
+    assert 1.6e9 < total < 1.8e9, total
+    recipe_args = ["--model", f"hf:{model}", "--tp", "1", "--dp-shard", "2", "--lora-rank", "8", "--vocab-size", "4096",
+                   "--seq-len", "32", "--global-batch", "2", "--max-steps", "2", "--checkpoint-every", "0", "--log-every", "1"]
+    states = {}
+    for fault in ("whole-model-load", None):
+        work = tmp_path / (fault or "sharded")
+        work.mkdir()
+        code, job = submit_recipe(host_shaped_cluster, work, "fsdp_tp_pp", "--wait", "-N", "1", "--ntasks-per-node", "2",
+                                  "--cpus-per-task", "1", f"--mem={JOB_MEMORY_MIB}M", recipe_args=recipe_args,
+                                  MALLOC_MMAP_THRESHOLD_=str(MiB), **({"HPCML_TEST_FAULT": fault} if fault else {}))
+        states[fault] = (code, job_state(job, cluster_dir=HOST_SHAPED_DIR), (work / f"fsdp_tp_pp-{job}.out").read_text())
+    code, state, log = states["whole-model-load"]
+    assert code != 0 and state == "FAILED" and re.search(r"^srun: error: cpu000001: task \d: Out Of Memory$", log, re.M), \
+        (state, log[-3000:])
+    assert "step     1 |" not in log, log[-3000:]  # (killed while loading)
+    code, state, log = states[None]
+    assert (code, state) == (0, "COMPLETED"), (state, log[-3000:])
+    metrics = read_metrics(tmp_path / "sharded" / "run")
+    assert metrics["world_size"] == 2 and len(metrics["host_memory"]) == 2
+    print(f"--mem={JOB_MEMORY_MIB}M, model {total / 1e6:.0f} MB in fp32; sharded, per rank, MB: baseline "
+          f"{[round(r['baseline_bytes'] / 1e6) for r in metrics['host_memory']]}, load above it "
+          f"{[round(r['load_peak_bytes'] / 1e6) for r in metrics['host_memory']]}, step "
+          f"{[round(r['step_peak_bytes'] / 1e6) for r in metrics['host_memory']]}")
 
 LOAD_CHECK = """
 import sys, torch, torch.distributed as dist

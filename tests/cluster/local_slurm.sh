@@ -84,6 +84,31 @@ cgroup_cpusets() {
     [[ $SHAPE == host && -w /sys/fs/cgroup/cpuset/cpuset.cpus && $(stat -fc %T /sys/fs/cgroup/cpuset) == cgroupfs ]]
 }
 
+# With task/cgroup, memory too where that hierarchy is writable: memory is then allocated as cores are
+# (CR_Core_Memory; the node declares this machine's memory, less 1 GiB, and a job that names none gets its
+# cores' share), a job's --mem is its limit, and a job over it is ended by the kernel's OOM killer (state
+# OUT_OF_MEMORY), as where a site limits memory per job.
+cgroup_memory() {
+    cgroup_cpusets && [[ -w /sys/fs/cgroup/memory/cgroup.procs && $(stat -fc %T /sys/fs/cgroup/memory) == cgroupfs ]]
+}
+
+node_memory_mb() {
+    if cgroup_memory; then
+        echo $(($(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1024 - 1024))
+    else
+        echo 4000
+    fi
+}
+
+select_parameters() {
+    if cgroup_memory; then
+        echo "SelectTypeParameters=CR_Core_Memory"
+        echo "DefMemPerCPU=$(($(node_memory_mb) / $(lscpu -p=CPU | grep -vc '^#')))"
+    else
+        echo "SelectTypeParameters=CR_Core"
+    fi
+}
+
 task_plugin() {
     if [[ $SHAPE == perlmutter ]]; then
         echo "TaskPlugin=task/none"
@@ -127,7 +152,7 @@ $(task_plugin)
 # Nodes declare Perlmutter's shape, not this machine's (LOCAL_SLURM_SHAPE=host: this machine's).
 SlurmdParameters=config_overrides
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
+$(select_parameters)
 GresTypes=gpu
 # pmi2 so MPICH ranks form one world; with "none" they silently run as N separate rank-0 jobs.
 MpiDefault=pmi2
@@ -149,7 +174,7 @@ MailProg=/bin/true
 EOF
         for ((i = 1; i <= nodes; i++)); do
             name=$(node_name "$i")
-            echo "NodeName=$name NodeAddr=$(node_ip "$i") NodeHostname=$name $(node_shape) RealMemory=4000 Gres=gpu:4 Feature=gpu State=UNKNOWN"
+            echo "NodeName=$name NodeAddr=$(node_ip "$i") NodeHostname=$name $(node_shape) RealMemory=$(node_memory_mb) Gres=gpu:4 Feature=gpu State=UNKNOWN"
         done
         echo "PartitionName=gpu Nodes=$hostlist Default=YES MaxTime=INFINITE State=UP"
     } >"$STATE_DIR/etc/slurm.conf"
@@ -163,6 +188,7 @@ EOF
     # task/cgroup, at this machine's cgroup v1 hierarchies (cpuset: the cores).
     if cgroup_cpusets; then
         printf '%s\n' CgroupPlugin=cgroup/v1 CgroupMountpoint=/sys/fs/cgroup CgroupAutomount=no ConstrainCores=yes
+        ! cgroup_memory || echo ConstrainRAMSpace=yes
     else
         printf '%s\n' CgroupPlugin=cgroup/v1 "CgroupMountpoint=$STATE_DIR/cgroup-empty" CgroupAutomount=no
     fi >"$STATE_DIR/etc/cgroup.conf"
@@ -284,6 +310,7 @@ cmd_start() {
     [[ $(id -u) == 0 ]] || die "needs root (network namespaces, /etc/hosts)"
     [[ $CRED_EXPIRE =~ ^[1-9][0-9]*$ ]] || die "LOCAL_SLURM_CRED_EXPIRE must be seconds, got '$CRED_EXPIRE'"
     local shape="$nodes nodes, requeue hold ${CRED_EXPIRE}s"
+    ! cgroup_memory || shape+=", memory allocated"
     if [[ -f $STATE_DIR/shape ]] && [[ $(cat "$STATE_DIR/shape") != "$shape" ]]; then
         log "cluster has $(cat "$STATE_DIR/shape"), $shape asked for: restarting"
         cmd_stop

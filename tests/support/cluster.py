@@ -67,11 +67,11 @@ def submit_recipe(cluster: dict, tmp_path: Path, recipe: str, *options: str, rec
     return result.returncode, job_id
 
 
-def job_records(job_id: str, timeout: float = 15) -> list[str]:
+def job_records(job_id: str, timeout: float = 15, cluster_dir: Path = CLUSTER_DIR) -> list[str]:
     """Slurm's job-completion records of a job (one per run: a requeued job has several), waited for."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        records = [line for line in (CLUSTER_DIR / "jobcomp.txt").read_text().splitlines()
+        records = [line for line in (cluster_dir / "jobcomp.txt").read_text().splitlines()
                    if line.startswith(f"JobId={job_id} ")]
         if records:
             return records
@@ -79,8 +79,8 @@ def job_records(job_id: str, timeout: float = 15) -> list[str]:
     raise AssertionError(f"job {job_id} never reached a final state in jobcomp.txt")
 
 
-def job_state(job_id: str) -> str:
-    return re.search(r"JobState=(\S+)", job_records(job_id)[-1]).group(1)  # the last run's
+def job_state(job_id: str, cluster_dir: Path = CLUSTER_DIR) -> str:
+    return re.search(r"JobState=(\S+)", job_records(job_id, cluster_dir=cluster_dir)[-1]).group(1)  # the last run's
 
 
 def job_nodes(job_id: str, run_index: int = 0) -> list[str]:
