@@ -40,7 +40,7 @@ PYTEST_ARGS ?=
 PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder) \
 	--durations=25 $(PYTEST_ARGS)
 
-.PHONY: help system-deps linked-venvs venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
+.PHONY: help system-deps linked-venvs test-setup venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
 	test-cuda-images test-scale \
 	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
@@ -87,13 +87,16 @@ INPUTS_OF_$(VENV_CUDA) = $(VENV_CUDA_INPUTS)
 # checkout's .venv, .venv-tf, .venv-docs link to it, so a fresh clone with unchanged requirements installs nothing.
 # Only the newest build of each name is kept (a venv is 2-3 GB).
 VENV_CACHE ?=
+# The set-up's parts at once: a pip install keeps one core busy, mostly waiting on downloads and the disk, so the
+# venvs, the site venvs and the horovod image's Horovod compile overlap (a new machine's set-up, measured: 18 min
+# one after the other). Each part's output is printed whole when it ends (--output-sync).
+SETUP_PARALLEL := -j5 --output-sync=target
 cached_venv = $(VENV_CACHE)/$(patsubst .%,%,$(notdir $(1)))-$(shell $(STAMP) --print $(PYTHON) $(INPUTS_OF_$(1)) | cut -c1-16)
 
 linked-venvs:
 	@test -n "$(VENV_CACHE)" || { echo "linked-venvs: set VENV_CACHE=DIR"; exit 2; }
-	$(MAKE) --no-print-directory venv VENV=$(call cached_venv,$(VENV))
-	$(MAKE) --no-print-directory venv-tf VENV_TF=$(call cached_venv,$(VENV_TF))
-	$(MAKE) --no-print-directory venv-docs VENV_DOCS=$(call cached_venv,$(VENV_DOCS))
+	$(MAKE) --no-print-directory venv venv-tf venv-docs VENV=$(call cached_venv,$(VENV)) \
+		VENV_TF=$(call cached_venv,$(VENV_TF)) VENV_DOCS=$(call cached_venv,$(VENV_DOCS))
 	@for link in "$(VENV):$(call cached_venv,$(VENV))" "$(VENV_TF):$(call cached_venv,$(VENV_TF))" \
 			"$(VENV_DOCS):$(call cached_venv,$(VENV_DOCS))"; do \
 		name=$${link%%:*} target=$${link#*:}; \
@@ -118,11 +121,15 @@ $(VENV)/.installed: $(VENV)/.inputs
 venv-tf: $(VENV_TF)/.installed
 
 $(VENV_TF)/.installed: $(VENV_TF)/.inputs
-	$(IMAGE_TOOL) build horovod
-	rm -rf $(VENV_TF)
-	$(PYTHON) -m venv $(VENV_TF)
-	$(VENV_TF)/bin/pip install -q -r requirements/tensorflow.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	. containers/versions.env && $(VENV_TF)/bin/pip install -q --no-deps "tf-keras==$$TF_KERAS_VERSION"
+	rm -rf $(VENV_TF) $(VENV_TF).image.log
+	# (the image, in the background meanwhile: TensorFlow's install needs no Horovod)
+	$(IMAGE_TOOL) build horovod >$(VENV_TF).image.log 2>&1 & image=$$!; \
+	$(PYTHON) -m venv $(VENV_TF) \
+	&& $(VENV_TF)/bin/pip install -q -r requirements/tensorflow.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+	&& . containers/versions.env && $(VENV_TF)/bin/pip install -q --no-deps "tf-keras==$$TF_KERAS_VERSION"; \
+	installed=$$?; wait $$image; built=$$?; \
+	if ((built)); then cat $(VENV_TF).image.log; else tail -n 1 $(VENV_TF).image.log; fi; rm -f $(VENV_TF).image.log; \
+	((installed == 0 && built == 0))
 	$(IMAGE_TOOL) wheels horovod $(VENV_TF)/wheels
 	$(VENV_TF)/bin/pip install -q $(VENV_TF)/wheels/horovod-*.whl
 	for lib in $$($(VENV_TF)/bin/python -c 'import horovod, pathlib; print(*pathlib.Path(horovod.__file__).parent.glob("*/mpi_lib*.so"))'); do \
@@ -195,7 +202,13 @@ run: venv
 # The local Slurm cluster is started by the tests themselves (and left up for the next run), and every
 # test builds the cpu images it needs (cached after the first run; the horovod image compiles Horovod for
 # ~10 minutes on 2 cores the first time, here through venv-tf, which installs its wheel).
-test: system-deps $(if $(VENV_CACHE),linked-venvs)
+# The venvs (linked from VENV_CACHE where set) and, as root, the site venvs that the cluster's normal user runs
+# (tests/conftest.py's site_env), all at once.
+test-setup: system-deps
+	@$(MAKE) --no-print-directory $(SETUP_PARALLEL) $(if $(VENV_CACHE),linked-venvs,venv venv-tf venv-docs) \
+		$(if $(filter 0,$(shell id -u)),site-env)
+
+test: test-setup
 	@$(MAKE) --no-print-directory venv venv-tf venv-docs  # (a sub-make: it sees the links linked-venvs made)
 	$(PYTEST) -m "not full and not cuda_images and not scale"
 
