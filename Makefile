@@ -88,7 +88,7 @@ INPUTS_OF_$(VENV_CUDA) = $(VENV_CUDA_INPUTS)
 # Only the newest build of each name is kept (a venv is 2-3 GB).
 VENV_CACHE ?=
 # The set-up's parts at once: a pip install keeps one core busy, mostly waiting on downloads and the disk, so the
-# venvs, the site venvs and the horovod image's Horovod compile overlap (a new machine's set-up, measured: 18 min
+# venvs, the site venvs and the horovod image's Horovod compile overlap (a new machine's set-up, measured: 14.3 min
 # one after the other). Each part's output is printed whole when it ends (--output-sync).
 SETUP_PARALLEL := -j5 --output-sync=target
 cached_venv = $(VENV_CACHE)/$(patsubst .%,%,$(notdir $(1)))-$(shell $(STAMP) --print $(PYTHON) $(INPUTS_OF_$(1)) | cut -c1-16)

@@ -86,8 +86,8 @@ cgroup_cpusets() {
 
 # With task/cgroup, memory too where that hierarchy is writable: memory is then allocated as cores are
 # (CR_Core_Memory; the node declares this machine's memory, less 1 GiB, and a job that names none gets its
-# cores' share), a job's --mem is its limit, and a job over it is ended by the kernel's OOM killer (state
-# OUT_OF_MEMORY), as where a site limits memory per job.
+# cores' share), a job's --mem is its limit, and a job over it is ended by the kernel's OOM killer (srun: "task N:
+# Out Of Memory"), as where a site limits memory per job.
 cgroup_memory() {
     cgroup_cpusets && [[ -w /sys/fs/cgroup/memory/cgroup.procs && $(stat -fc %T /sys/fs/cgroup/memory) == cgroupfs ]]
 }
