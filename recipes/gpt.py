@@ -138,5 +138,8 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean next-token loss over every position of every row (in float32, whatever the logits' dtype), but
-    those whose target is -100 (cross_entropy's ignore_index: instruction data's prompts and padding)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    those whose target is -100 (cross_entropy's ignore_index: instruction data's prompts and padding). Rows with
+    no trained target at all (a micro-batch of prompts only) give 0, where a mean over nothing is 0/0: their
+    weight in the step's loss is 0 (harness.token_weights), but NaN x 0 is NaN, and the step logged NaN."""
+    total = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+    return total / (targets != -100).sum().clamp(min=1)

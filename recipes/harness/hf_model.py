@@ -33,7 +33,9 @@ class CausalLMLoss(torch.nn.Module):
         self.model, self.seq_len = model, seq_len
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return F.cross_entropy(self.logits(inputs, positions).float().flatten(0, 1), targets.flatten())
+        # a sum over the trained targets / their number, not cross_entropy's mean: rows with none give 0, not NaN
+        total = F.cross_entropy(self.logits(inputs, positions).float().flatten(0, 1), targets.flatten(), reduction="sum")
+        return total / (targets != -100).sum().clamp(min=1)  # (-100: the ignore_index, data.IGNORE)
 
     def logits(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``positions``: rows that pack several documents (--pack), each token's position in its document.
