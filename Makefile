@@ -35,9 +35,11 @@ IMAGE_TOOL := bash containers/images.sh
 # run prints). PYTEST_WORKERS=0 runs in this process; PYTEST_ARGS adds options, e.g.
 #   make test PYTEST_ARGS="-k matrix"    make test PYTEST_ARGS="-p no:randomly"   (file order)
 #   make test PYTEST_ARGS="--randomly-seed=1234"                                   (an order again)
+# (Without PYTHON: the interpreter the venvs are built from, make test PYTHON=..., is not the one of the tests'
+# jobs, which the sbatch files read from PYTHON.)
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
-PYTEST := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder) \
+PYTEST := env -u PYTHON PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder) \
 	--durations=25 $(PYTEST_ARGS)
 
 .PHONY: help system-deps linked-venvs test-setup venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
