@@ -546,21 +546,32 @@ def test_horovods_mpi_controller_gets_cray_mpich_from_the_runtime_or_is_refused(
 
 def test_requeues_stop_at_the_limit_and_a_bad_limit_is_refused(tmp_path):
     """At the time-limit checkpoint the job requeues itself, until it was restarted LAUNCH_MAX_REQUEUES times:
-    then one line says so and nothing is requeued (scontrol here is a stand-in that records its calls)."""
+    then one line says so and nothing is requeued. A job cancelled while its ranks checkpointed is not put back
+    (`scontrol requeue` takes a finished job too: a scancel in that window was undone). scontrol here is a
+    stand-in that records its calls and gives the job's state as JOB_STATE says."""
     scontrol = tmp_path / "scontrol"
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n')
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n'
+                        '[ "$1" = show ] && echo "JobId=42 JobName=ddp JobState=$JOB_STATE Reason=None"\nexit 0\n')
     scontrol.chmod(0o755)
-    def requeue(restarts: str, limit: str):
+    def requeue(restarts: str, limit: str, state: str = "RUNNING"):
+        (tmp_path / "calls").unlink(missing_ok=True)
         script = (f'source "{REPO}/slurm/lib/launch.sh"; '
                   f"SLURM_JOB_ID=42 SLURM_RESTART_COUNT={restarts} LAUNCH_MAX_REQUEUES={limit} requeue_job")
-        return run(["bash", "-c", script], env=recipe_env(PATH=f"{tmp_path}:/usr/bin:/bin"), timeout=30)
-    below = requeue("2", "3")
-    assert below.returncode == 0 and "requeueing job 42 (restart 3)" in below.stdout
-    assert (tmp_path / "calls").read_text() == "requeue 42\n"
-    at_limit = requeue("3", "3")
+        result = run(["bash", "-c", script], env=recipe_env(PATH=f"{tmp_path}:/usr/bin:/bin", JOB_STATE=state), timeout=30)
+        calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+        return result, calls
+    below, calls = requeue("2", "3")
+    assert below.returncode == 0 and "requeued job 42 (restart 3)" in below.stdout
+    assert calls == ["show job -o 42", "requeue 42"]
+    at_limit, calls = requeue("3", "3")
     assert at_limit.returncode == 0 and at_limit.stderr.strip() == (
         "launch: error: job 42 was requeued 3 times (LAUNCH_MAX_REQUEUES=3): not again; resubmit it, or raise the time limit")
-    assert (tmp_path / "calls").read_text() == "requeue 42\n"  # not called again
+    assert calls == []  # not called again
+    cancelled, calls = requeue("2", "3", state="CANCELLED")
+    assert cancelled.returncode == 0 and cancelled.stdout == "" and cancelled.stderr.strip() == (
+        "launch: job 42 was cancelled while it checkpointed (JobState=CANCELLED): not requeued; the checkpoint is "
+        "kept, and resubmitting the job continues from it")
+    assert calls == ["show job -o 42"]  # (the control: without the state check, "requeue 42" follows)
     error = one_line_error(launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", LAUNCH_MAX_REQUEUES="ten"))
     assert "LAUNCH_MAX_REQUEUES=ten is not a number of requeues" in error
 

@@ -105,7 +105,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_on_the_same_curve(sl
     wait_for(lambda: started_training(tmp_path, job), 120, "training to start")
     # What '#SBATCH --signal=USR1@120' does before the time limit: SIGUSR1 to every task of the job's steps.
     assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
-    wait_for(lambda: "requeueing job" in log_of(tmp_path, job), 60, "the job to requeue itself")
+    wait_for(lambda: "requeued job" in log_of(tmp_path, job), 60, "the job to requeue itself")
     # Slurm holds a requeued job until its step credentials expire (starting it sooner fails with "Job
     # credential revoked" on the nodes): 30 s on the local cluster (tests/cluster/local_slurm.sh).
     state = wait_for(lambda: final_state(job), 300, "the requeued job to finish", interval=1)
@@ -203,12 +203,13 @@ def test_accelerate_time_limit_signal_reaches_ranks_started_by_the_per_node_laun
                         recipe_args=LONG_RUN, **env)[1]
     log_path = tmp_path / f"accelerate-{job}.out"
     log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
-    wait_for(lambda: re.search(r"^\[accelerate\] step +10 ", unlabelled(log()), re.M), 120, "training to start")
-    assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
     try:
-        wait_for(lambda: "requeueing job" in log(), 60, "the job to requeue itself")
+        wait_for(lambda: re.search(r"^\[accelerate\] step +10 ", unlabelled(log()), re.M), 120, "training to start")
+        assert run(["scancel", "--signal=USR1", job], env=recipe_env(**slurm_cluster)).returncode == 0
+        wait_for(lambda: "requeued job" in log(), 60, "the job to requeue itself")
     finally:
         run(["scancel", job], env=recipe_env(**slurm_cluster))
+    assert wait_for(lambda: final_state(job), 60, "the cancelled job to end") == "CANCELLED", log()
     text = log()
     signalled = re.findall(r"per_node: (\S+): USR1 to rank process \d+", text)
     assert sorted(signalled) == sorted(job_nodes(job)), text  # one launcher on each of the job's two nodes
@@ -232,12 +233,15 @@ def signal_time_limit_and_wait_for_requeue(cluster: dict, tmp_path: Path, recipe
                                      "--log-every", "10", *extra_args], user=user, **env)[1]
     log_path = tmp_path / f"{recipe}-{job}.out"
     log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
-    wait_for(lambda: re.search(rf"^\[{recipe}\] step +10 ", unlabelled(log()), re.M), 180, "training to start")
-    assert run(["scancel", "--signal=USR1", job], env=recipe_env(**cluster)).returncode == 0
-    try:
-        wait_for(lambda: "requeueing job" in log(), 90, "the job to requeue itself")
+    try:  # (whatever fails, the job goes: it would requeue itself at each time limit, LAUNCH_MAX_REQUEUES times)
+        wait_for(lambda: re.search(rf"^\[{recipe}\] step +10 ", unlabelled(log()), re.M), 180, "training to start")
+        assert run(["scancel", "--signal=USR1", job], env=recipe_env(**cluster)).returncode == 0
+        wait_for(lambda: "requeued job" in log(), 90, "the job to requeue itself")
     finally:
         run(["scancel", job], env=recipe_env(**cluster))
+    # The scancel holds: the launcher says "requeued" once the job is back in the queue, and requeues only a job
+    # still running (`scontrol requeue` takes a cancelled one too: a scancel while the ranks checkpointed was undone).
+    assert wait_for(lambda: final_state(job), 60, "the cancelled job to end") == "CANCELLED", log()
     text = log()
     stopped = re.search(rf"\[{recipe}\] stopped by SIGUSR1 after step (\d+): checkpoint written", text)
     assert stopped, text

@@ -39,13 +39,25 @@ without_run_dir_lock() {
 # The recipe checkpointed at Slurm's time-limit warning (SIGUSR1, '#SBATCH --signal=USR1@…') and left
 # RUN_DIR/stopped_by_signal: put the job back in the queue. It restarts with the same job id, so the same
 # RUN_DIR, and resumes from that checkpoint. (On SIGTERM, preemption, Slurm requeues it itself.)
+# Not a job cancelled meanwhile: `scontrol requeue` takes a finished job too, and a `scancel` that came while
+# the ranks checkpointed was undone (the job ran again, up to LAUNCH_MAX_REQUEUES times). The line is printed
+# once the job is back in the queue: a `scancel` after it cancels the queued job for good.
 requeue_job() {
-    local restarts=${SLURM_RESTART_COUNT:-0} limit=${LAUNCH_MAX_REQUEUES:-10}
+    local restarts=${SLURM_RESTART_COUNT:-0} limit=${LAUNCH_MAX_REQUEUES:-10} state
     if ((restarts >= limit)); then
         echo "launch: error: job $SLURM_JOB_ID was requeued $restarts times (LAUNCH_MAX_REQUEUES=$limit): not again;" \
             "resubmit it, or raise the time limit" >&2
         return
     fi
-    echo "launch: checkpoint written before the time limit: requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))"
-    scontrol requeue "$SLURM_JOB_ID" || echo "launch: error: scontrol requeue failed: resubmit the job to continue" >&2
+    state=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'JobState=[A-Z_]*') || true
+    if [[ $state != JobState=RUNNING ]]; then
+        echo "launch: job $SLURM_JOB_ID was cancelled while it checkpointed (${state:-its state unknown}): not requeued;" \
+            "the checkpoint is kept, and resubmitting the job continues from it" >&2
+        return
+    fi
+    if scontrol requeue "$SLURM_JOB_ID"; then
+        echo "launch: checkpoint written before the time limit: requeued job $SLURM_JOB_ID (restart $((restarts + 1)))"
+    else
+        echo "launch: error: scontrol requeue failed: resubmit the job to continue" >&2
+    fi
 }
