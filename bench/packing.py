@@ -6,7 +6,7 @@
 The data: a word-level tokenizer with a chat template (made here, nothing downloaded) and --conversations
 prompt/answer pairs whose lengths are long-tailed as instruction data sets' are (log-normal prompts and answers,
 the longest dropped by prepare.py --chat as the recipe would see them), prepared for --seq-len. The runs, one
-process each with one thread, alternated (padded, packed, bare; repeated --repeats times):
+process each with one thread, alternated (padded, packed, bare; then padded, bare, packed; --repeats times):
 
 - padded: recipes/ddp on the data, one conversation per window (the default);
 - packed: the same with --pack (whole conversations packed into each window, attention kept within each);
@@ -48,10 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: seconds (the tests)")
     p.add_argument("--seq-len", type=int, default=None, help="the window (default 512; --quick 128)")
     p.add_argument("--conversations", type=int, default=None, help="how many (default 600; --quick 80)")
-    p.add_argument("--repeats", type=int, default=None, help="alternated repeats (default 5; --quick 1)")
+    p.add_argument("--repeats", type=int, default=None, help="alternated repeats (default 7; --quick 1)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 40; --quick 6)")
     args = p.parse_args(argv)
-    defaults = (128, 80, 1, 6) if args.quick else (512, 600, 5, 40)
+    defaults = (128, 80, 1, 6) if args.quick else (512, 600, 7, 40)
     for name, value in zip(("seq_len", "conversations", "repeats", "steps"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -118,8 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     padded_runs, packed_runs, bare_runs = [], [], []
     for i in range(args.repeats):  # alternated: a slow phase of a shared machine hits all three alike
         padded_runs.append(recipe(args, work, f"padded-{i}", data, model, pack=False))
-        packed_runs.append(recipe(args, work, f"packed-{i}", data, model, pack=True))
-        bare_runs.append(bare(args, work, f"bare-{i}", data, model))
+        packed, bare_loop = (lambda: recipe(args, work, f"packed-{i}", data, model, pack=True),
+                             lambda: bare(args, work, f"bare-{i}", data, model))
+        if i % 2:  # (the bare loop first in every other pair: neither always follows the other)
+            bare_runs.append(bare_loop())
+            packed_runs.append(packed())
+        else:
+            packed_runs.append(packed())
+            bare_runs.append(bare_loop())
     window = args.seq_len + 1
     padded_windows, packed_windows = padded_runs[0]["windows"], packed_runs[0]["windows"]
 

@@ -154,11 +154,16 @@ def bare_run(subject: Subject, work: Path, name: str, model_args: list[str], bat
 
 
 def paired(measure_a, measure_b, repeats: int) -> tuple[list, list]:
-    """A and B alternately, so slow phases of a shared machine hit both alike."""
+    """A and B alternately, so slow phases of a shared machine hit both alike; B first in every other pair, so
+    that whatever the run before leaves behind (the page cache, the disk's write-back) favours neither."""
     a, b = [], []
     for i in range(repeats):
-        a.append(measure_a(i))
-        b.append(measure_b(i))
+        if i % 2:
+            b.append(measure_b(i))
+            a.append(measure_a(i))
+        else:
+            a.append(measure_a(i))
+            b.append(measure_b(i))
     return a, b
 
 
