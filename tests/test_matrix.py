@@ -19,6 +19,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -75,10 +76,12 @@ PARALLEL_RUN = {
 PER_NODE_LAUNCHER = {"accelerate"}
 
 
-def containers_started(job: str, runtime: str, user) -> int:
+def containers_started(job: str, runtime: str, user, since: int) -> int:
     """How many containers podman (root's, or the user's under podman-hpc or rootless podman) started for the
-    job: its own event log, filtered by the job's label (slurm/lib/launch.sh) — evidence from outside the run."""
-    query = ["events", "--stream=false", "--since", "60m", "--filter", "event=start", "--filter",
+    job: its own event log, filtered by the job's label (slurm/lib/launch.sh) — evidence from outside the run.
+    Only since the job's submission (``since``, Unix time): a job id comes back when the cluster starts anew,
+    and podman's log (the journal) outlives it, so an earlier job of that id was counted too."""
+    query = ["events", "--stream=false", "--since", str(since), "--filter", "event=start", "--filter",
              f"label=io.hpcml.job={job}", "--format", "{{.Name}}"]
     result = user.run([runtime, *query]) if user is not None else run(["podman", *query], env=container_env())
     assert result.returncode == 0, result.stderr
@@ -281,6 +284,7 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
         env["HPCML_IMAGES_FILE"] = str(work / "images")
         (work / "images").write_text(f"{cell['image']}=hpcml/not-this-one:cpu\n{cell['image']}={image}\n")
     tracked = ["--tracker", "tensorboard,wandb,mlflow"] if cell["tracker"] else []  # (not the reference's)
+    submitted = int(time.time()) - 1  # (podman's events of this job: from here on)
     code, job = submit_recipe(slurm_cluster, work, recipe, "--wait", "-N", str(cell["nodes"]),
                               "--ntasks-per-node", str(cell["tasks_per_node"]), *options, recipe_args=[*args, *tracked],
                               user=user, **env)
@@ -340,7 +344,7 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     if runtime in ("podman", "podman-hpc"):  # and from the runtime's own record: the containers the job started
         per_node = recipe in PER_NODE_LAUNCHER
         expected = cell["nodes"] if per_node else world
-        assert containers_started(job, runtime, user) == expected + 1, log  # (+1: the recipe's preflight check)
+        assert containers_started(job, runtime, user, submitted) == expected + 1, log  # (+1: the recipe's preflight check)
     assert metrics["param_max_abs_diff_across_ranks"] == 0.0
     assert [record["step"] for record in metrics["history"]] == [1, 2, 3, 4]
     if cell["tracker"]:  # W&B offline and MLflow inside the image, as its user: one run each, every step once
