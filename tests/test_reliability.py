@@ -227,6 +227,8 @@ def left_the_queue(job: str, cluster: dict) -> bool:
     within seconds; the job-completion log may have no record of a job cancelled while it was being requeued),
     or listed in a final state."""
     listed = run(["squeue", "-h", "-j", job, "-o", "%T"], env=recipe_env(**cluster))
+    if listed.returncode != 0:  # (forgotten by the controller; any other failure of squeue is not an answer)
+        return "Invalid job id" in listed.stderr
     return listed.stdout.strip() in ("", "CANCELLED", "COMPLETED", "FAILED")
 
 
