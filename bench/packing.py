@@ -1,6 +1,6 @@
 """Instruction tuning's packing: how much padding --pack saves, and what the recipe costs on top of a bare loop.
 
-    python bench/packing.py --out runs/bench-packing            # ~5 minutes here: make bench-packing
+    python bench/packing.py --out runs/bench-packing            # ~7 minutes here (7 repeats): make bench-packing
     python bench/packing.py --quick --out /tmp/bench-packing     # seconds: what the tests run
 
 The data: a word-level tokenizer with a chat template (made here, nothing downloaded) and --conversations
@@ -34,7 +34,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from run import max_rel_diff, ratio_summary, run, steady_samples_per_s, WARMUP_STEPS  # noqa: E402
+from run import in_turn, max_rel_diff, ratio_summary, run, steady_samples_per_s, WARMUP_STEPS  # noqa: E402
 
 SPECIALS = ["<unk>", "<|user|>", "<|assistant|>", "<|end|>"]
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
@@ -118,14 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     padded_runs, packed_runs, bare_runs = [], [], []
     for i in range(args.repeats):  # alternated: a slow phase of a shared machine hits all three alike
         padded_runs.append(recipe(args, work, f"padded-{i}", data, model, pack=False))
-        packed, bare_loop = (lambda: recipe(args, work, f"packed-{i}", data, model, pack=True),
-                             lambda: bare(args, work, f"bare-{i}", data, model))
-        if i % 2:  # (the bare loop first in every other pair: neither always follows the other)
-            bare_runs.append(bare_loop())
-            packed_runs.append(packed())
-        else:
-            packed_runs.append(packed())
-            bare_runs.append(bare_loop())
+        packed, bare_loop = in_turn(i, lambda: recipe(args, work, f"packed-{i}", data, model, pack=True),
+                                    lambda: bare(args, work, f"bare-{i}", data, model))  # (bare first when i is odd)
+        packed_runs.append(packed)
+        bare_runs.append(bare_loop)
     window = args.seq_len + 1
     padded_windows, packed_windows = padded_runs[0]["windows"], packed_runs[0]["windows"]
 

@@ -158,13 +158,19 @@ def paired(measure_a, measure_b, repeats: int) -> tuple[list, list]:
     that whatever the run before leaves behind (the page cache, the disk's write-back) favours neither."""
     a, b = [], []
     for i in range(repeats):
-        if i % 2:
-            b.append(measure_b(i))
-            a.append(measure_a(i))
-        else:
-            a.append(measure_a(i))
-            b.append(measure_b(i))
+        first, second = in_turn(i, lambda: measure_a(i), lambda: measure_b(i))
+        a.append(first)
+        b.append(second)
     return a, b
+
+
+def in_turn(i: int, measure_a, measure_b) -> tuple:
+    """The i-th pair of ``paired``: (A's result, B's result), B measured first when i is odd."""
+    if i % 2:
+        b = measure_b()
+        return measure_a(), b
+    a = measure_a()
+    return a, measure_b()
 
 
 def ratio_summary(numerators: list[float], denominators: list[float]) -> dict:
