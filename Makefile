@@ -42,7 +42,7 @@ PYTEST_ARGS ?=
 PYTEST := env -u PYTHON PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder) \
 	--durations=25 $(PYTEST_ARGS)
 
-.PHONY: help system-deps linked-venvs test-setup venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
+.PHONY: help system-deps linked-venvs test-setup cpu-images venv venv-tf venv-docs venv-cuda site-env data run test test-full test-unit test-tensorflow test-slurm test-images \
 	test-cuda-images test-scale \
 	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
@@ -216,12 +216,20 @@ run: venv
 
 # The local Slurm cluster is started by the tests themselves (and left up for the next run), and every
 # test builds the cpu images it needs (cached after the first run; the horovod image compiles Horovod for
-# ~10 minutes on 2 cores the first time, here through venv-tf, which installs its wheel).
-# The venvs (linked from VENV_CACHE where set) and, as root, the site venvs that the cluster's normal user runs
-# (tests/conftest.py's site_env), all at once.
+# ~3 minutes on 2 cores the first time, here through venv-tf, which installs its wheel).
+# The venvs (linked from VENV_CACHE where set), as root the site venvs that the cluster's normal user runs
+# (tests/conftest.py's site_env), and the other cpu images (cpu-images), all at once.
 test-setup: system-deps
 	@$(MAKE) --no-print-directory $(SETUP_PARALLEL) $(if $(VENV_CACHE),linked-venvs,venv venv-tf venv-docs) \
-		$(if $(filter 0,$(shell id -u)),site-env)
+		$(if $(filter 0,$(shell id -u)),site-env) $(if $(shell command -v podman),cpu-images)
+
+# The images the tests run in besides horovod's (which venv-tf builds), built in the set-up, while the Horovod
+# compile runs, rather than by the first tests that need them (both test workers waited ~2.5 minutes for them on a
+# new machine); each build of an image takes its own lock, so these and the horovod build share their parents.
+# Niced: the horovod image's chain (base, pytorch, horovod, then venv-tf) is the set-up's longest part.
+TEST_IMAGES := ddp megatron deepspeed accelerate
+cpu-images:
+	FLAVOR=cpu nice -n 10 $(IMAGE_TOOL) build $(TEST_IMAGES)
 
 test: test-setup
 	@$(MAKE) --no-print-directory venv venv-tf venv-docs  # (a sub-make: it sees the links linked-venvs made)

@@ -192,11 +192,29 @@ ensure_cpu_base() {
     local image
     for image in "$@"; do
         if ! uses_ngc "$image" && ! image_exists "$CPU_BASE_IMAGE"; then
-            make_rootfs
+            hold_build_lock rootfs
+            image_exists "$CPU_BASE_IMAGE" || make_rootfs  # (unless the build we waited for made it)
+            release_build_lock
             return
         fi
     done
 }
+
+# One build of an image at a time per user (two make targets, or the tests' parallel workers): two builds of
+# the same image would each make it and race to tag the name. Builds of different images run at once (the
+# set-up builds the leaves while the horovod image compiles); a build waits for its parent's build, then
+# finds the parent built.
+hold_build_lock() {
+    local lock
+    lock=${TMPDIR:-/tmp}/hpcml-images-build-$(id -u)-$1-$FLAVOR.lock
+    exec {BUILD_LOCK_FD}>>"$lock"
+    if ! flock -n "$BUILD_LOCK_FD"; then
+        say "waiting for another build of $1 ($FLAVOR) to finish (lock $lock)"
+        flock "$BUILD_LOCK_FD"
+    fi
+}
+
+release_build_lock() { exec {BUILD_LOCK_FD}>&-; }
 
 image_exists() {
     if [[ $ENGINE == docker ]]; then docker image inspect "$1" >/dev/null 2>&1; else "$ENGINE" image exists "$1"; fi
@@ -245,8 +263,13 @@ build_one() {
     parent=$(parent_of "$image")
     [[ -z $parent ]] || build_one "$parent"
     case " $BUILT " in *" $image "*) return 0 ;; esac
+    hold_build_lock "$image"
+    build_image "$image" "$parent"
+    release_build_lock
+}
 
-    local name tmp start=$SECONDS
+build_image() {
+    local image=$1 parent=$2 name tmp start=$SECONDS
     name=$(local_name "$image")
     tmp=$(mktemp -d)
     CLEANUP+=("$tmp")
@@ -298,15 +321,6 @@ build_one() {
 cmd_build() {
     (($#)) || die "name the images to build: $KNOWN"
     check_known "$@"
-    # One build at a time per user (two make targets, or the tests' parallel workers): concurrent builds of
-    # the same parents would each make the base rootfs and race to tag the same names.
-    local lock
-    lock=${TMPDIR:-/tmp}/hpcml-images-build-$(id -u).lock
-    exec {BUILD_LOCK_FD}>>"$lock"
-    if ! flock -n "$BUILD_LOCK_FD"; then
-        say "waiting for another image build to finish (lock $lock)"
-        flock "$BUILD_LOCK_FD"
-    fi
     WHEEL_DIR=${WHEEL_DIR-${PIP_FIND_LINKS:-}}
     if [[ -n $WHEEL_DIR && ! -d $WHEEL_DIR ]]; then
         say "WHEEL_DIR=$WHEEL_DIR is not a directory: ignoring it"
