@@ -37,7 +37,9 @@ IMAGE_TOOL := bash containers/images.sh
 #   make test PYTEST_ARGS="--randomly-seed=1234"                                   (an order again)
 # (Without PYTHON: the interpreter the venvs are built from, make test PYTHON=..., is not the one of the tests'
 # jobs, which the sbatch files read from PYTHON.)
-PYTEST_WORKERS ?= 2
+# Three on this project's 2-core machines: with two, the cores were idle 9% of a new machine's suite (the tests
+# wait on Slurm, container start-up and jobs' ends); a third took the warm suite to 28.1 minutes (docs/tests.md).
+PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?=
 PYTEST := env -u PYTHON PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder) \
 	--durations=25 $(PYTEST_ARGS)
@@ -236,14 +238,14 @@ test: test-setup
 	$(PYTEST) -m "not full and not cuda_images and not scale"
 
 # The slower tier as well (tests marked `full`: more matrix layouts and runtimes, the whole quick benchmark):
-# about 6 minutes more than `make test` (2 workers, 2 cores).
+# about 6 minutes more than `make test` (3 workers, 2 cores).
 test-full: system-deps venv venv-tf venv-docs
 	$(PYTEST) -m "not cuda_images and not scale"
 
 # The scale tier: the unchanged sbatch files on 16 local nodes (DDP 16 x 1, FSDP2 + TP and Megatron TP x PP x DP
 # on 8 x 2, a killed rank, the time-limit requeue), each against one process; writes the start-up figures
 # to runs/scale/timings.json, which bench/scale_model.py fits (13 minutes on 2 cores; restarts the
-# local cluster with 16 nodes, and the default tier restarts it with 4).
+# local cluster with 16 nodes, and the default tier restarts it with 6).
 test-scale: system-deps venv
 	HPCML_CLUSTER_NODES=16 LOCAL_SLURM_CRED_EXPIRE=120 $(PYTEST) -m scale tests/test_scale.py
 	$(VENV)/bin/python bench/scale_model.py --timings runs/scale/timings.json --out runs/scale

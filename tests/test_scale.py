@@ -14,7 +14,7 @@ launcher's preflight and its share of that, srun and runtime to the Python proce
 (the ranks' arrival spread, and the rendezvous after the last one arrived), and from the time-limit signal
 to the requeued job's first step. Measured on one host, so every "node" shares its cores (what that means
 for the fit: bench/scale_model.py). The cluster has 16 nodes only in this tier: `make test-scale` sets
-HPCML_CLUSTER_NODES=16 (the default tier's 4-node cluster is restarted).
+HPCML_CLUSTER_NODES=16 (the default tier's 6-node cluster is restarted).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real, local Slurm cluster for the tests: one slurmctld and N slurmd from Debian's packages, no systemd.
 #
-#   tests/cluster/local_slurm.sh start [NODES]   # idempotent; default 4 nodes nid000001..nid00000N
+#   tests/cluster/local_slurm.sh start [NODES]   # idempotent; default 6 nodes nid000001..nid00000N
 #   tests/cluster/local_slurm.sh stop            # kills every daemon and job process by PID, removes the network
 #   tests/cluster/local_slurm.sh status
 #   eval "$(tests/cluster/local_slurm.sh env)"   # SLURM_CONF for sbatch/srun/squeue in this shell
@@ -305,7 +305,7 @@ wait_until_idle() {
 }
 
 cmd_start() {
-    local nodes=${1:-${LOCAL_SLURM_NODES:-4}}
+    local nodes=${1:-${LOCAL_SLURM_NODES:-6}}
     [[ $nodes =~ ^[1-9][0-9]?$ ]] || die "NODES must be 1..99, got '$nodes'"
     [[ $(id -u) == 0 ]] || die "needs root (network namespaces, /etc/hosts)"
     [[ $CRED_EXPIRE =~ ^[1-9][0-9]*$ ]] || die "LOCAL_SLURM_CRED_EXPIRE must be seconds, got '$CRED_EXPIRE'"

@@ -18,7 +18,7 @@ from support.runs import PLACEHOLDER_GPUS, REPO, container_env, run
 CLUSTER_SCRIPT = REPO / "tests" / "cluster" / "local_slurm.sh"
 CLUSTER_DIR = Path(os.environ.get("LOCAL_SLURM_DIR", "/tmp/hpcml-slurm"))
 # make test-scale asks for 16 (HPCML_CLUSTER_NODES); the cluster restarts when the count changes.
-CLUSTER_NODES = int(os.environ.get("HPCML_CLUSTER_NODES", "4"))
+CLUSTER_NODES = int(os.environ.get("HPCML_CLUSTER_NODES", "6"))
 # The second local cluster (LOCAL_SLURM_SHAPE=host): one node shaped like this machine, binding CPUs.
 HOST_SHAPED_DIR = Path("/tmp/hpcmlhost-slurm")
 SHIFTER_STAND_IN = Path("tests") / "cluster" / "shifter"  # shifter, shifterimg (relative to a checkout)
