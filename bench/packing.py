@@ -1,6 +1,6 @@
 """Instruction tuning's packing: how much padding --pack saves, and what the recipe costs on top of a bare loop.
 
-    python bench/packing.py --out runs/bench-packing            # ~7 minutes here (7 repeats): make bench-packing
+    python bench/packing.py --out runs/bench-packing            # ~5 minutes here (7 repeats): make bench-packing
     python bench/packing.py --quick --out /tmp/bench-packing     # seconds: what the tests run
 
 The data: a word-level tokenizer with a chat template (made here, nothing downloaded) and --conversations
