@@ -39,6 +39,30 @@ def test_a_profiled_run_writes_a_trace_per_rank_of_exactly_those_steps(tmp_path)
     assert 0 < metrics["data_wait_s"] < metrics["step_time_s"] and 0 < metrics["data_wait_share"] < 1
 
 
+def test_two_ranks_average_their_losses_once_per_window_and_time_whole_steps(tmp_path):
+    """DDP on 2 ranks, 8 steps, a checkpoint every 2: with --log-every 4 the ranks meet 5 times, after steps 1, 2,
+    4, 6 and 8 (the first two steps alone, then every 4 and at each checkpoint: harness/run.py), not 8 times,
+    and every step's loss is the same as when they meet after
+    each step; the step times add up to the wall time of the steps, checkpoints included. Control: timed from
+    each step's start (the fault step-time-from-start), the checkpoints' time is missing from the sum."""
+    steps = [*SHORT, "--max-steps", "8", "--checkpoint-every", "2"]
+    runs = {}
+    for name, options, fault in (("windows", ["--log-every", "4"], None), ("every-step", ["--log-every", "1"], None),
+                                 ("control", ["--log-every", "4"], "step-time-from-start")):
+        out = tmp_path / name
+        assert_ok(run_recipe(RECIPES / "ddp" / "train.py", out, 2, *steps, *options,
+                             **({"HPCML_TEST_FAULT": fault} if fault else {})))
+        runs[name] = read_metrics(out)
+    windows, every_step = runs["windows"], runs["every-step"]
+    assert windows["world_size"] == 2 and windows["syncs"] == 5 and every_step["syncs"] == 8
+    assert [r["loss"] for r in windows["history"]] == [r["loss"] for r in every_step["history"]]
+    for name in ("windows", "control"):
+        summed = sum(r["step_time_s"] for r in runs[name]["history"])
+        runs[name]["share"] = summed / runs[name]["steps_wall_s"]
+    assert runs["windows"]["share"] == pytest.approx(1.0, abs=0.01), runs["windows"]["share"]
+    assert runs["control"]["share"] < 0.9, runs["control"]["share"]  # (the checkpoints' time: not in the sum)
+
+
 PHASES = {  # recipe -> (ranks, options, the phases its trace must name)
     "accelerate": (1, [], {"forward", "backward", "optimizer"}),
     "deepspeed": (1, ["--zero-stage", "0"], {"forward", "backward", "optimizer"}),

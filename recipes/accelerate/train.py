@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- training loop: one optimizer step = --grad-accum micro-batches on every rank
     data = harness.training_data(args)  # --data: synthetic or a token file
-    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(world_size, device))
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, metrics, harness.average_across_ranks(world_size, device))
     model.train()
     micro_rows = args.global_batch // (dp * args.grad_accum)
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
@@ -278,13 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                     accelerator.backward(loss * (weight * args.grad_accum))
                 with harness.phase("optimizer"):
                     if accelerator.sync_gradients:  # the step's last micro-batch: the gradients are whole
-                        norm = float(accelerator.clip_grad_norm_(model.parameters(),
-                                                                 args.clip_grad if args.clip_grad > 0 else float("inf")))
+                        norm = accelerator.clip_grad_norm_(model.parameters(),
+                                                           args.clip_grad if args.clip_grad > 0 else float("inf"))
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
             step_loss += loss.detach() * weight
-        global_loss = harness.mean_across_ranks(step_loss, world_size)  # also synchronises the step for timing
-        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)
+        # this rank's loss, as a tensor: averaged over the ranks at the next sync (every --log-every steps)
+        metrics.log_step(step, step_loss, args.global_batch, lr, grad_norm=norm)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):

@@ -63,7 +63,8 @@ from gpt import GPT, GPTConfig  # noqa: E402
 RECIPE = "ddp"
 # The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
 FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "rank-mean-loss", "mask-ignored", "pack-unconfined",
-          "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "track-every-step")
+          "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "track-every-step",
+          "step-time-from-start")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return harness.mean_across_ranks(loss, env.world_size)
 
     # ---- training loop
-    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, metrics, harness.average_across_ranks(env.world_size, device))
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch,
                                    env.rank, env.world_size, device)  # (--data-workers: read ahead)
     for step, batch in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
@@ -263,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             harness.set_learning_rate(optimizer, lr)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        global_loss = harness.mean_across_ranks(loss, env.world_size)  # also synchronises the step for timing
-        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)
+        # this rank's loss, as a tensor: averaged over the ranks at the next sync (every --log-every steps)
+        metrics.log_step(step, loss, args.global_batch, lr, grad_norm=norm)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):  # checkpoints when due; True: --stop-at-step, SIGUSR1 or SIGTERM

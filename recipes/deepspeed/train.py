@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- training loop: one optimizer step = --grad-accum micro-batches on every rank
     data = harness.training_data(args)  # --data: synthetic or a token file
-    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device),
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, metrics, harness.average_across_ranks(env.world_size, device),
                               host_memory=host_memory)
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), global_batch, dp_rank, dp,
                                    device)  # (--data-workers: read ahead)
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                      for i in range(0, len(inputs), micro_rows)]
             with harness.phase("pipeline-step"):  # forward, backward, p2p and the optimizer, in the engine's schedule
                 loss = float(engine.train_batch(data_iter=iter(micro)))  # mean over micro-batches and DP, every stage
-            metrics.log_step(step, loss, global_batch, run.step_time(), engine.get_lr()[0])
+            metrics.log_step(step, loss, global_batch, engine.get_lr()[0])
             if run.eval_due(step):
                 metrics.log_eval(step, evaluate(), args.eval_batches)
             if run.step_done(step, save):
@@ -500,10 +500,9 @@ def main(argv: list[str] | None = None) -> int:
                     norm = harness.clip_gradients(engine.module.parameters(), 0)
                 engine.step()  # the optimizer steps only at the accumulation boundary
             step_loss += loss.detach().float() * weight
-        global_loss = harness.mean_across_ranks(step_loss, env.world_size)  # also synchronises the step for timing
         norm = norm if own_norm else engine.get_global_grad_norm()
-        metrics.log_step(step, global_loss, global_batch, run.step_time(), engine.get_lr()[0],
-                         grad_norm=None if norm is None else float(norm))
+        # this rank's loss, as a tensor: averaged over the ranks at the next sync (every --log-every steps)
+        metrics.log_step(step, step_loss, global_batch, engine.get_lr()[0], grad_norm=norm)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):

@@ -239,12 +239,13 @@ def apply_fsdp(stage: nn.Module, units: list[nn.Module], dp_mesh, param_dtype: t
     fully_shard(stage, mesh=dp_mesh, mp_policy=policy)
 
 
-def grad_norm(stages: list[nn.Module], pp_group) -> float:
+def grad_norm(stages: list[nn.Module], pp_group) -> torch.Tensor:
     """The global gradient norm (every parameter of every stage): the same number in any layout when the
     gradients are right; a wrong scale (a sum for a mean, micro-batches not averaged) shows at once.
 
     Local sums of squares, summed over the mesh dimensions each gradient is sharded on (one all-reduce per
-    kind of sharding, not per parameter), then over the pipeline stages."""
+    kind of sharding, not per parameter), then over the pipeline stages. A tensor: read on the host at the
+    run's next sync, or here when --clip-grad needs it."""
     device = next(stages[0].parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     sharded: dict[tuple, list] = {}  # (mesh id, placements) -> [mesh, placements, local sum of squares]
@@ -268,15 +269,15 @@ def grad_norm(stages: list[nn.Module], pp_group) -> float:
         total += squares
     if pp_group is not None:  # each PP rank holds other layers
         torch.distributed.all_reduce(total, group=pp_group)
-    return float(total) ** 0.5
+    return total.sqrt()
 
 
-def clip_gradients(stages: list[nn.Module], norm: float, max_norm: float) -> None:
+def clip_gradients(stages: list[nn.Module], norm: torch.Tensor, max_norm: float) -> None:
     """--clip-grad: every gradient scaled by max_norm / norm when the global ``norm`` (grad_norm) is larger,
     as torch.nn.utils.clip_grad_norm_ scales them (DTensor gradients scale shard by shard)."""
     if max_norm <= 0:
         return
-    factor = min(1.0, max_norm / (norm + 1e-6))
+    factor = min(1.0, max_norm / (float(norm) + 1e-6))
     for stage in stages:
         for param in stage.parameters():
             if param.grad is not None:

@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- training loop: every DP rank its rows of the step's batch; TP and PP ranks of a replica the same
     data = harness.training_data(args)  # --data: synthetic or a token file
-    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device),
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, metrics, harness.average_across_ranks(env.world_size, device),
                               host_memory=host_memory)
     for stage in stages:
         stage.train()
@@ -502,9 +502,9 @@ def main(argv: list[str] | None = None) -> int:
                 harness.set_learning_rate(optimizer, lr)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        # The loss lives on the last stage, the same on each of its TP ranks: its mean over DP ranks
-        global_loss = harness.mean_across_ranks(loss.detach().float(), env.world_size) * layout.pp
-        metrics.log_step(step, global_loss, args.global_batch, run.step_time(), lr, grad_norm=norm)
+        # The loss lives on the last stage, the same on each of its TP ranks: x PP, its mean over all ranks is
+        # the mean over the DP ranks (taken at the next sync, every --log-every steps)
+        metrics.log_step(step, loss.detach().float() * layout.pp, args.global_batch, lr, grad_norm=norm)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):

@@ -41,8 +41,8 @@ from .data import (ConversationData, masked_data, numpy_batches, numpy_token_bat
                    loss_weights, token_weights, TokenFileData, training_data, validation_data,
                    validation_loss)
 from .launch import (
-    all_hostnames, check_expected_world_size, detect_dist_env, DistEnv, expand_hostlist,
-    EXPECTED_WORLD_SIZE_ENV, gather_from_ranks, gpu_for_local_rank, leave_process_group, max_across_ranks, max_difference_across_ranks,
+    all_hostnames, average_across_ranks, check_expected_world_size, detect_dist_env, DistEnv, expand_hostlist,
+    EXPECTED_WORLD_SIZE_ENV, gather_from_ranks, gpu_for_local_rank, leave_process_group, max_difference_across_ranks,
     mean_across_ranks, nodes_in_job, ranks_per_node, setup_torch_distributed, tp_size,
 )
 from .metrics import (describe_run, gpu_peak_flops, MetricsLogger, peak_flops, start_metrics, tensorboard_dir,
@@ -57,12 +57,12 @@ __all__ = [
     "faults", "memory",
     "add_data_options", "add_model_options", "add_optimizer_option", "add_run_options", "add_schedule_options",
     "clip_gradients", "learning_rate", "schedule_identity", "set_learning_rate",
-    "all_hostnames", "atomic_write_bytes",
+    "all_hostnames", "atomic_write_bytes", "average_across_ranks",
     "check_expected_world_size", "check_export_option", "check_model_vocabulary", "ConfigError", "CRASH_DURING_CHECKPOINT_ENV",
     "describe_run", "detect_dist_env", "DistEnv", "expand_hostlist", "EXPECTED_WORLD_SIZE_ENV", "export_sharded_model",
     "export_trained_model", "gather_from_ranks", "gpu_for_local_rank", "HostMemory", "gpu_peak_flops", "latest_checkpoint",
     "latest_checkpoint_dir", "leave_process_group",
-    "list_checkpoint_dirs", "list_checkpoints", "main_entry", "max_across_ranks", "max_difference_across_ranks",
+    "list_checkpoint_dirs", "list_checkpoints", "main_entry", "max_difference_across_ranks",
     "mean_across_ranks", "MetricsLogger", "model_size", "model_spec", "ModelSpec", "new_parser", "nodes_in_job", "numpy_batches",
     "numpy_token_batch",
     "parse_args_with_config", "parse_recipe_args", "peak_flops", "peak_memory", "phase", "preflight_line", "publish_checkpoint_dir",

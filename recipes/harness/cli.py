@@ -64,7 +64,8 @@ def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout:
     g.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out-dir")
     g.add_argument("--stop-at-step", type=int, default=None,
                    help="checkpoint and exit after this step, as if the allocation ended; rerun to continue")
-    g.add_argument("--log-every", type=int, default=1)
+    g.add_argument("--log-every", type=int, default=10,
+                   help="steps between loss lines; the ranks average their losses (one all-reduce) this often")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="TensorBoard event files (rank 0; default OUT_DIR/tensorboard; 'off': none)")
     g.add_argument("--tracker", default="tensorboard", metavar="LIST",

@@ -17,6 +17,8 @@ fault then enters through the framework's own hooks:
                            empties it again)
     resume-data-from-start a resumed run reads the data from the first step again (harness/data.py)
     schedule-restart       a resumed run starts its learning-rate schedule again (harness/run.py)
+    step-time-from-start   a step timed from its own start to its end, as the loop once did: the time between
+                           steps (the checkpoint written before it) is in no step's time (harness/run.py)
     track-every-step       W&B and MLflow receive each step as it is logged, not when a checkpoint holds it
                            (a resume after a crash then records the steps since the checkpoint twice)
     rank-mean-loss         instruction data's loss as each rank's (and micro-batch's) mean over its own trained
@@ -50,7 +52,7 @@ from .errors import ConfigError
 FAULT_ENV = "HPCML_TEST_FAULT"
 FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "tp-no-reduce", "pp-loss-unscaled", "last-microbatch-loss",
           "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "batch-p2p-with-vp",
-          "track-every-step", "rank-mean-loss", "mask-ignored", "pack-unconfined", "whole-model-load")
+          "track-every-step", "step-time-from-start", "rank-mean-loss", "mask-ignored", "pack-unconfined", "whole-model-load")
 
 
 def active(name: str) -> bool:
@@ -135,7 +137,7 @@ def inject(recipe: str, supported: Iterable[str], *, parameters: Iterable[Any] =
     applies = {"grad-sum": data_parallel > 1, "no-grad-allreduce": data_parallel > 1, "accum-sum": micro_batches > 1,
                **(applies or {})}
     check(recipe, supported, applies)
-    if fault is None or fault in ("resume-data-from-start", "schedule-restart", "batch-p2p-with-vp",
+    if fault is None or fault in ("resume-data-from-start", "schedule-restart", "step-time-from-start", "batch-p2p-with-vp",
                                   "rank-mean-loss", "whole-model-load"):  # (where they act)
         return fault
     parameters = list(parameters)

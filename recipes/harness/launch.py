@@ -8,8 +8,9 @@
 - ``startup_times``: where this process's start-up went (the launcher's preflight, srun and the container,
   Python's imports, the rendezvous), for metrics.json: at scale these, not the steps, are a job's first minutes.
 - ``leave_process_group``: the teardown at the end of a run (``exit_after_leaving_the_group``: and the exit).
-- ``all_hostnames``, ``mean_across_ranks``, ``max_difference_across_ranks``, ``max_across_ranks``: the few
-  collectives every PyTorch recipe needs for its logs, its stop agreement and its end-of-run proof.
+- ``all_hostnames``, ``average_across_ranks``, ``mean_across_ranks``, ``max_difference_across_ranks``: the few
+  collectives every PyTorch recipe needs for its logs and stop agreement (TrainingRun's sync every few
+  steps), its evaluations and its end-of-run proof.
 - ``failed_collective_rank`` / ``exit_on_collective_failure``: a collective that failed (another rank died
   or hung) becomes one line naming this rank and host, and exit code 4, after this rank's Flight Recorder
   (``dump_flight_recorder``) is written where the launcher asked (TORCH_FR_DUMP_TEMP_FILE).
@@ -458,20 +459,23 @@ def mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
     return float(value)
 
 
-def max_across_ranks(world_size: int, device) -> Callable[[int], int]:
-    """A function giving the largest of an integer over all ranks (the same answer on every rank)."""
+def average_across_ranks(world_size: int, device) -> Callable[[list], list[float]]:
+    """A function averaging a list of numbers over all ranks in one all-reduce (the same answer on every
+    rank): 0-d tensors on ``device`` (a rank's loss, read on the host only after the reduction) or plain
+    numbers. One process: the values themselves, as floats. TrainingRun's sync every few steps uses it."""
     if world_size == 1:
-        return lambda value: value
+        return lambda values: [float(value) for value in values]
 
-    def agree(value: int) -> int:
+    def average(values: list) -> list[float]:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([value], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        vector = torch.stack([torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
+                              for value in values])
+        dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+        return (vector / world_size).tolist()  # (tolist: the one host-device synchronisation of the sync)
 
-    return agree
+    return average
 
 
 def max_difference_across_ranks(tensors: list[torch.Tensor], world_size: int, group=None) -> float:

@@ -152,6 +152,7 @@ class MetricsLogger:
     trackers: list = field(default_factory=list)
     _writer: object = field(default=None, repr=False)
     _stepped: bool = field(default=False, repr=False)  # this process has logged a step (a resume too)
+    pending: list[dict] = field(default_factory=list, repr=False)  # the steps logged since the last sync
 
     def __post_init__(self):
         # The steps of a resumed checkpoint's history reached the trackers before it was published.
@@ -162,8 +163,33 @@ class MetricsLogger:
         continues both)."""
         return {"history": self.history, "tracked_runs": {tracker.name: tracker.run_id for tracker in self.trackers}}
 
-    def log_step(self, step: int, loss: float, samples: int, step_time_s: float, lr: float, **extra: float) -> None:
-        """One step's record; ``extra``: more numbers of the step (e.g. grad_norm), in JSON and TensorBoard."""
+    def log_step(self, step: int, loss, samples: int, lr: float, **extra) -> None:
+        """One step's numbers, recorded at the next sync (TrainingRun.step_done: every --log-every steps, or
+        sooner): ``loss`` as a tensor is this rank's (its mean over the ranks is taken then, in one all-reduce
+        with the other steps' and the stop agreement: no host-device synchronisation per step); as a number it
+        is already the global loss (Megatron's schedule, Horovod's, one process). ``extra``: more numbers of the
+        step (e.g. grad_norm; tensors read at the sync), in JSON and TensorBoard."""
+        self.pending.append({"step": step, "loss": loss, "samples": samples, "lr": lr, "extra": extra})
+        if not self._stepped:
+            self._stepped = True
+            self._first_step_done()
+
+    def local_losses(self) -> list:
+        """The pending steps' losses that are still this rank's own (tensors), for the sync to average."""
+        return [entry["loss"] for entry in self.pending if not isinstance(entry["loss"], (int, float))]
+
+    def flush(self, averaged_losses: list[float], step_times: list[float]) -> None:
+        """The pending steps' records, now that the sync has their losses (``averaged_losses``: those of
+        ``local_losses``, averaged over the ranks) and their times (``step_times``: each step's whole period)."""
+        averaged = iter(averaged_losses)
+        for entry, step_time_s in zip(self.pending, step_times, strict=True):
+            loss = entry["loss"] if isinstance(entry["loss"], (int, float)) else next(averaged)
+            extra = {key: None if value is None else float(value) for key, value in entry["extra"].items()}
+            self._record(entry["step"], float(loss), entry["samples"], step_time_s, entry["lr"], entry.get("eval"), extra)
+        self.pending = []
+
+    def _record(self, step: int, loss: float, samples: int, step_time_s: float, lr: float, evaluated: tuple | None,
+                extra: dict) -> None:
         tokens_per_s = samples * self.tokens_per_sample / step_time_s if self.tokens_per_sample else None
         mfu = (tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops_per_device)
                if self.flops_per_token and tokens_per_s else None)
@@ -177,10 +203,9 @@ class MetricsLogger:
             "mfu": mfu,
             **extra,
         }
+        if evaluated is not None:
+            record["eval_loss"] = evaluated[0]
         self.history.append(record)
-        if not self._stepped:
-            self._stepped = True
-            self._first_step_done()
         if not self.is_logging_rank:
             return
         if faults.active("track-every-step"):  # (a negative control: the trackers get steps no checkpoint holds)
@@ -191,6 +216,8 @@ class MetricsLogger:
             for key in ("loss", "lr", "tokens_per_s", "mfu", "step_time_s", *extra):
                 if record[key] is not None:
                     self._writer.add_scalar(f"train/{key}", record[key], step)
+            if evaluated is not None:
+                self._writer.add_scalar("eval/loss", evaluated[0], step)
         if step % self.log_every == 0:
             print(
                 f"[{self.recipe}] step {step:5d} | loss {loss:.4f} | {record['samples_per_s']:8.1f} samples/s"
@@ -198,6 +225,9 @@ class MetricsLogger:
                 + (f" | MFU {100 * mfu:5.2f}%" if mfu is not None else " | MFU n/a"),
                 flush=True,
             )
+        if evaluated is not None:
+            print(f"[{self.recipe}] eval {step:5d} | eval loss {evaluated[0]:.4f} | {evaluated[1]} batches of "
+                  "validation data", flush=True)
 
     def _first_step_done(self) -> None:
         """Completes run_info's "startup" (harness.launch.startup_times) with this process's first step, and
@@ -218,15 +248,11 @@ class MetricsLogger:
 
     def log_eval(self, step: int, loss: float, batches: int) -> None:
         """The validation loss after ``step`` (averaged over ``batches`` global batches and the data-parallel
-        ranks), kept in that step's record: a checkpoint's history holds it, a resume continues it."""
-        record = self.history[-1]
-        assert record["step"] == step, f"log_eval({step}) after the record of step {record['step']}"
-        record["eval_loss"] = loss
-        if not self.is_logging_rank:
-            return
-        if self.tensorboard_dir is not None and self._writer is not None:
-            self._writer.add_scalar("eval/loss", loss, step)
-        print(f"[{self.recipe}] eval {step:5d} | eval loss {loss:.4f} | {batches} batches of validation data", flush=True)
+        ranks), kept in that step's record (written at the sync that follows: an evaluated step is one):
+        a checkpoint's history holds it, a resume continues it."""
+        entry = self.pending[-1] if self.pending else None
+        assert entry is not None and entry["step"] == step, f"log_eval({step}) without a pending step {step}"
+        entry["eval"] = (loss, batches)
 
     def summary(self) -> dict:
         # The first step of a process includes warm-up (allocator, NCCL/gloo connections): leave it out.

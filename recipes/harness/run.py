@@ -1,19 +1,29 @@
 """The steps of a run: where it starts, when it checkpoints, when it stops, and how it ends.
 
-    run = harness.TrainingRun(RECIPE, args, rank, start_step, agree=harness.max_across_ranks(world_size, device))
+    metrics = harness.start_metrics(...)
+    run = harness.TrainingRun(RECIPE, args, rank, start_step, metrics, harness.average_across_ranks(world_size, device))
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), ...)  # this rank's rows
     for step, (inputs, targets) in run.steps(batches):  # (the wait for each batch is timed apart)
         with harness.phase("forward"):         # named ranges: the --profile trace, NVTX on a GPU
             ...                                # the recipe's own training step
-        metrics.log_step(step, loss, global_batch, run.step_time(), lr)
+        metrics.log_step(step, loss, global_batch, lr)  # this rank's loss tensor: averaged at the next sync
         if run.eval_due(step):                 # --eval-every: the validation loss, averaged over the DP ranks
             metrics.log_eval(step, evaluate(), args.eval_batches)
-        if run.step_done(step, save):          # checkpoints when due; True: --stop-at-step or a stop signal
-            break
+        if run.step_done(step, save):          # the sync when due; checkpoints when due; True: --stop-at-step or a
+            break                              # stop signal
     run.save_last(save)
     ...                                        # the recipe's end-of-run proof (parameter spread)
     code = run.finish(metrics, spread)         # metrics.json (peak memory, data-wait share), the done line, the
                                                # stop marker, the --profile trace; the exit code
+
+The ranks meet once per window of steps, not after every step: one all-reduce averages the window's losses
+and agrees on a stop signal (on a GPU also the one host-device synchronisation), as torchtitan and Megatron
+reduce their logs every N steps. A window ends at every --log-every-th step, at an evaluation, a checkpoint,
+--stop-at-step and the last step, and after about SYNC_WITHIN_S seconds of steps (never less than one step),
+so that SIGUSR1 is acted on well inside the sbatch files' 120-s warning even when --log-every is large. A
+step's time is its whole period: from the end of the step before (or the first step's start) to its own end,
+so its data wait, logging, evaluation and the checkpoint written before it are in it, and the step times
+add up to the wall time of the steps (metrics.json's steps_wall_s).
 """
 
 from __future__ import annotations
@@ -28,26 +38,35 @@ from . import faults
 from .checkpoint import checkpoint_due
 from .errors import stderr_line
 from .profiling import StepProfiler, peak_memory, profile_steps
-from .signals import STOP_MARKER, StopRequest
+from .signals import STOP_MARKER, STOP_SIGNALS, StopRequest
+
+SYNC_WITHIN_S = 10.0  # the longest window of steps between two syncs (a stop signal waits at most this)
 
 
 class TrainingRun:
-    """``agree(value)``: the largest ``value`` over all ranks (the stop signal every rank acts on); the
-    identity for one process."""
+    """``metrics``: the run's MetricsLogger (its steps are recorded at each sync); ``average(values)``: the
+    values' means over all ranks in one collective (harness.average_across_ranks; Horovod's own); the values
+    themselves for one process."""
 
-    def __init__(self, recipe: str, args: argparse.Namespace, rank: int, start_step: int,
-                 agree: Callable[[int], int] | None = None, host_memory=None):
-        self.recipe, self.args, self.rank = recipe, args, rank
+    def __init__(self, recipe: str, args: argparse.Namespace, rank: int, start_step: int, metrics,
+                 average: Callable[[list], list[float]] | None = None, host_memory=None):
+        self.recipe, self.args, self.rank, self.metrics = recipe, args, rank, metrics
         self.host_memory = host_memory  # (a HostMemory: the first step's peak, "step", recorded in it)
         self.start_step = self.last_step = start_step
         self.stopped_by = 0
-        self._agree = agree or (lambda value: value)
+        self._average = average or (lambda values: [float(value) for value in values])
         if rank == 0:
             (args.out_dir / STOP_MARKER).unlink(missing_ok=True)  # from an earlier, stopped run
         self.stop = StopRequest(recipe, rank)  # SIGUSR1 before the time limit, SIGTERM on preemption
         steps = profile_steps(args)
         self.profiler = StepProfiler(steps, rank, args.out_dir) if steps else None
         self.step_seconds = self.data_seconds = 0.0  # (summed over the steps: the share spent waiting for data)
+        self.syncs = 0  # the collectives of the steps (metrics.json: fewer than the steps unless --log-every 1)
+        self._window_steps = 1  # the steps of a window, agreed at each sync (the first: the first step alone)
+        self._periods: list[float] = []  # the whole periods of the steps since the last sync
+        self._last_window = (0.0, 0)  # (seconds, steps) of the window before, measured after its sync
+        self._period_started = self._window_started = None  # (perf_counter) the end of the step before
+        self._wall = [None, None]  # (time.time) the first step's start, the last step's end: steps_wall_s
 
     def steps(self, batches: Iterable | None = None) -> Iterator:
         """The steps still to run (after a resume: from the checkpoint's next step), each one timed; with
@@ -62,6 +81,9 @@ class TrainingRun:
                 if first_step and step == self.start_step + 2:
                     first_step, _ = None, first_step.__exit__(None, None, None)
                 self._step_started = time.perf_counter()
+                if self._period_started is None:  # the first step of this process
+                    self._period_started = self._window_started = self._step_started
+                    self._wall[0] = time.time()
                 if self.profiler:
                     self.profiler.step_starts(step)
                 if batches is None:
@@ -76,10 +98,6 @@ class TrainingRun:
             if first_step:
                 first_step.__exit__(None, None, None)
 
-    def step_time(self) -> float:
-        """Seconds since the current step began (call it once the step's loss is known on every rank)."""
-        return time.perf_counter() - self._step_started
-
     def learning_rate(self, step: int) -> float:
         """The learning rate of ``step`` (--lr-schedule, --warmup-steps): a function of the step number, so a
         resumed run goes on with the rate the uninterrupted one had there."""
@@ -92,20 +110,62 @@ class TrainingRun:
         return every > 0 and (step % every == 0 or step == self.args.max_steps)
 
     def step_done(self, step: int, save: Callable[[int], None]) -> bool:
-        """After ``step``: checkpoint if --checkpoint-every says so; True if the run stops here."""
+        """After ``step``: the sync if its window ends here; a checkpoint if --checkpoint-every says so;
+        True if the run stops here (--stop-at-step, or a stop signal agreed at the sync)."""
         self.last_step = step
-        self.step_seconds += time.perf_counter() - self._step_started
         if self.profiler:
             self.profiler.step_ends(step)
+        if self._sync_due(step):
+            self._sync()
+        else:
+            self._step_ended()
         if checkpoint_due(self.args, step):
             save(step)
-        self.stopped_by = self._agree(self.stop.received)
         return step == self.args.stop_at_step or bool(self.stopped_by)
+
+    def _sync_due(self, step: int) -> bool:
+        args = self.args
+        return (len(self._periods) + 1 >= self._window_steps or step % args.log_every == 0 or self.eval_due(step)
+                or checkpoint_due(args, step) or step in (args.stop_at_step, args.max_steps))
+
+    def _step_ended(self) -> float:
+        """The end of a step's period (now): its time recorded; the time returned."""
+        now = time.perf_counter()
+        # (the fault: the step timed from its start only, as before: what a checkpoint costs goes unseen)
+        began = self._step_started if faults.active("step-time-from-start") else self._period_started
+        self._periods.append(now - began)
+        self._period_started, self._wall[1] = now, time.time()
+        return now
+
+    def _sync(self) -> None:
+        """The ranks meet: the window's losses averaged and the stop signal agreed, in one collective; the
+        window's steps recorded; the next window's length agreed (from the window before's step time, the
+        same number on every rank)."""
+        losses = self.metrics.local_losses()
+        window_s, window_steps = self._last_window
+        received = [1.0 if self.stop.received == signum else 0.0 for signum in STOP_SIGNALS]
+        averaged = self._average([*losses, window_s / max(1, window_steps), *received])
+        self.syncs += 1
+        now = self._step_ended()  # (after the collective: on a GPU the window's kernels have finished)
+        self.metrics.flush(averaged[:len(losses)], self._periods)
+        self.step_seconds += sum(self._periods)
+        self._last_window = (now - self._window_started, len(self._periods))
+        self._periods, self._window_started = [], now
+        step_s = averaged[len(losses)]
+        self._window_steps = max(1, min(self.args.log_every, int(SYNC_WITHIN_S / step_s))) if step_s > 0 else 1
+        agreed = averaged[len(losses) + 1:]
+        self.stopped_by = max((int(signum) for signum, share in zip(STOP_SIGNALS, agreed) if share > 0), default=0)
 
     def save_last(self, save: Callable[[int], None]) -> None:
         """The last step's checkpoint, unless it was just written (or no step ran)."""
+        self._sync_pending()
         if self.last_step > self.start_step and not checkpoint_due(self.args, self.last_step):
             save(self.last_step)
+
+    def _sync_pending(self) -> None:
+        """The steps not synced yet (the data ran out before --max-steps): synced now, on every rank."""
+        if self._periods:
+            self._sync()
 
     def finish(self, metrics, spread: float | None, extra: dict | None = None,
                differ: str = "parameters differ across ranks") -> int:
@@ -113,12 +173,15 @@ class TrainingRun:
         identical are not (``spread``, None where they are shards by design), otherwise 0, also after a stop
         signal (then with OUT_DIR/stopped_by_signal, so that the launcher requeues the job). ``differ`` names the copies in the
         error line."""
+        self._sync_pending()
         signame = signal.Signals(self.stopped_by).name if self.stopped_by else None
         trace = self.profiler.close() if self.profiler else None
+        first, last = self._wall
         metrics.write({"param_max_abs_diff_across_ranks": spread, "last_step": self.last_step,
                        "stopped_early": self.last_step < self.args.max_steps, "stopped_by_signal": signame,
                        "peak_memory": peak_memory(),  # (the logging rank's)
                        "data_wait_s": self.data_seconds, "step_time_s": self.step_seconds,
+                       "steps_wall_s": last - first if first and last else None, "syncs": self.syncs,
                        "data_wait_share": self.data_seconds / self.step_seconds if self.step_seconds else None,
                        "profile_trace": str(trace) if trace else None, **(extra or {})})
         metrics.close()
@@ -161,8 +224,8 @@ def set_learning_rate(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_gradients(parameters, max_norm: float) -> float:
-    """The global norm of the gradients of ``parameters`` (reduced, replicated ones: DDP's after backward),
+def clip_gradients(parameters, max_norm: float):
+    """The global norm of the gradients of ``parameters`` (reduced, replicated ones: DDP's after backward), a tensor,
     and, with --clip-grad (``max_norm`` > 0), the gradients scaled down to ``max_norm`` when it is larger."""
     import torch
 
@@ -170,7 +233,7 @@ def clip_gradients(parameters, max_norm: float) -> float:
     norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return float(norm)
+    return norm  # (a tensor: read on the host at the run's next sync, not every step)
 
 
 def torch_optimizer(parameters, name: str, lr: float):

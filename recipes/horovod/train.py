@@ -186,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                                         {**metrics.checkpoint_state(), **must_match})
             metrics.write()
 
-    def agree(value: int) -> int:  # the largest over the ranks: every rank stops after the same step
-        return int(hvd.allreduce(tf.constant(value), op=hvd.Max)) if world_size > 1 else value
+    def average(values: list) -> list[float]:  # the sync's one collective: the stop agreement (the loss is global)
+        values = [float(value) for value in values]
+        return hvd.allreduce(tf.constant(values), op=hvd.Average).numpy().tolist() if world_size > 1 else values
 
     # ---- training loop
-    run = harness.TrainingRun(RECIPE, args, rank, start_step, agree)
+    run = harness.TrainingRun(RECIPE, args, rank, start_step, metrics, average)
     sync_checks = []
     # --data: synthetic or a token file, read one step ahead (tf.data)
     batches = harness.tf_step_batches(args, range(start_step + 1, args.max_steps + 1), global_batch)
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         lr = run.learning_rate(step) * world_size  # --lr-schedule, --warmup-steps; Horovod's --lr x ranks
         optimizer.learning_rate = lr
         loss, norm = train_step(inputs[rows], targets[rows])
-        metrics.log_step(step, float(loss), global_batch, run.step_time(), lr, grad_norm=float(norm))  # (float: waits)
+        metrics.log_step(step, float(loss), global_batch, lr, grad_norm=float(norm))  # (float: waits)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if args.check_sync_every and step % args.check_sync_every == 0:

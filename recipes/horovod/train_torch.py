@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                 **metrics.checkpoint_state(), **must_match(world_size)})
             metrics.write()
 
-    def agree(value: int) -> int:  # the largest over the ranks: every rank stops after the same step
-        return int(hvd.allreduce(torch.tensor(value), op=hvd.Max)) if world_size > 1 else value
+    def average(values: list) -> list[float]:  # the sync's one collective: the window's losses, the stop agreement
+        vector = torch.stack([torch.as_tensor(value, dtype=torch.float32).reshape(()) for value in values])
+        return (hvd.allreduce(vector, op=hvd.Average) if world_size > 1 else vector).tolist()
 
     # ---- evaluation (--eval-every): the validation loss, each rank its rows, averaged over the ranks
     validation = harness.validation_data(args)
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return float(hvd.allreduce(loss, op=hvd.Average)) if world_size > 1 else float(loss)
 
     # ---- training loop
-    run = harness.TrainingRun(RECIPE, args, rank, start_step, agree)
+    run = harness.TrainingRun(RECIPE, args, rank, start_step, metrics, average)
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), global_batch, rank, world_size,
                                    device)  # (--data-workers: read ahead)
     for step, (inputs, targets) in run.steps(batches):  # (harness.phase: named ranges for --profile and Nsight)
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             harness.set_learning_rate(optimizer, step_lr)
             with optimizer.skip_synchronize() if averaged else contextlib.nullcontext():
                 optimizer.step()
-        global_loss = float(hvd.allreduce(loss.detach(), op=hvd.Average)) if world_size > 1 else float(loss.detach())
-        metrics.log_step(step, global_loss, global_batch, run.step_time(), step_lr, grad_norm=norm)
+        # this rank's loss, as a tensor: averaged over the ranks at the next sync (every --log-every steps)
+        metrics.log_step(step, loss.detach(), global_batch, step_lr, grad_norm=norm)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):

@@ -326,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     dp_group = parallel_state.get_data_parallel_group()
 
     def run_schedule(inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
-        """This DP rank's rows of a global batch in micro-batches through the schedule. The mean loss over the
-        micro-batches and the DP replicas on the last stage (a barrier elsewhere), 0 elsewhere."""
+        """This DP rank's rows of a global batch in micro-batches through the schedule. On the last stage its mean
+        loss over the micro-batches x PP, 0 elsewhere: the mean of that over all ranks is the global batch's loss
+        (the last stage's TP ranks hold the same), taken at the run's next sync, not after every step."""
         micro = [(inputs[i:i + layout.micro_batch].to(device), targets[i:i + layout.micro_batch].to(device))
                  for i in range(0, len(inputs), layout.micro_batch)]
         losses = forward_backward(
@@ -337,16 +338,11 @@ def main(argv: list[str] | None = None) -> int:
             num_microbatches=layout.num_microbatches, seq_length=args.seq_len,
             micro_batch_size=layout.micro_batch, forward_only=forward_only,
         )
-        loss = torch.zeros((), device=device)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            loss = torch.stack([item["loss"] for item in losses]).mean()
-            dist.all_reduce(loss, group=dp_group)  # mean over DP replicas: the global batch's loss
-            loss /= layout.dp
-        else:
-            dist.barrier(group=dp_group)  # the same collective count on every rank keeps the timing honest
-        return loss
+            return torch.stack([item["loss"] for item in losses]).mean() * layout.pp
+        return torch.zeros((), device=device)
 
-    # ---- evaluation (--eval-every): the validation loss, forward only, averaged over DP (on the last stage)
+    # ---- evaluation (--eval-every): the validation loss, forward only, averaged over DP (from the last stage)
     @torch.no_grad()
     def evaluate() -> float:
         for chunk in model_chunks:
@@ -355,10 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                    for batch in range(args.eval_batches))
         for chunk in model_chunks:
             chunk.train()
-        return float(loss) / args.eval_batches
+        return harness.mean_across_ranks(loss, env.world_size) / args.eval_batches
 
     # ---- training loop: one optimizer step = the schedule's forward/backward over all micro-batches
-    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, harness.max_across_ranks(env.world_size, device))
+    run = harness.TrainingRun(RECIPE, args, env.rank, start_step, metrics, harness.average_across_ranks(env.world_size, device))
     for chunk in model_chunks:
         chunk.train()
     batches = harness.step_batches(data, args, range(start_step + 1, args.max_steps + 1), args.global_batch, dp_rank,
@@ -376,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"step {step}: the optimizer skipped the update (grad norm {grad_norm})")
         if not grad_norm:  # megatron computes the global norm only to clip: the norm of the gradients applied
             grad_norm = optimizer.get_grad_norm()
-        metrics.log_step(step, float(step_loss), args.global_batch, run.step_time(),
-                         optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm))
+        # this rank's share of the loss, as a tensor: averaged over the ranks at the next sync (every --log-every
+        # steps); megatron's optimizer has the norm on the host already
+        metrics.log_step(step, step_loss.detach(), args.global_batch, optimizer.param_groups[0]["lr"],
+                         grad_norm=float(grad_norm))
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):

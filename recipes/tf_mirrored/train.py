@@ -201,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         metrics.write()
 
     # ---- training loop (one process: a signal needs no agreement between ranks)
-    run = harness.TrainingRun(RECIPE, args, 0, start_step)
+    run = harness.TrainingRun(RECIPE, args, 0, start_step, metrics)
     # --data: synthetic or a token file, read one step ahead (tf.data)
     batches = harness.tf_step_batches(args, range(start_step + 1, args.max_steps + 1), args.global_batch)
     for step, (inputs, targets) in run.steps(batches):  # (the wait for each batch timed apart)
         lr = run.learning_rate(step)  # --lr-schedule, --warmup-steps
         optimizer.learning_rate = lr
         loss, norm = train_step(*replica_rows(inputs, targets))
-        metrics.log_step(step, float(loss), args.global_batch, run.step_time(), lr, grad_norm=float(norm))  # (float: waits)
+        metrics.log_step(step, float(loss), args.global_batch, lr, grad_norm=float(norm))  # (the replicas' loss)
         if run.eval_due(step):
             metrics.log_eval(step, evaluate(), args.eval_batches)
         if run.step_done(step, save):
