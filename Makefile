@@ -48,7 +48,7 @@ PYTEST := env -u PYTHON PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(if
 	test-cuda-images test-scale \
 	shellcheck hadolint docs docs-serve docs-check \
 	cluster-start cluster-stop cluster-status clean build-all base-rootfs versions pin-cuda-bases \
-	bench bench-quick bench-data bench-checkpoint bench-packing fit-table gpu-check nccl-check
+	bench bench-quick bench-data bench-checkpoint bench-packing bench-ranks fit-table gpu-check nccl-check
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -59,7 +59,7 @@ help:
 	@echo "         hadolint shellcheck"
 	@echo "docs:    docs (the site, --strict, in site/), docs-serve (http://127.0.0.1:8000), docs-check (screenshots)"
 	@echo "bench:   bench (about 30 min), bench-quick, bench-data (the token-file loader, DATA=PREFIX),"
-	@echo "         bench-packing (instruction data: padded, --pack, a bare loop);"
+	@echo "         bench-packing (instruction data: padded, --pack, a bare loop), bench-ranks (1, 2, 4 ranks);"
 	@echo "         fit-table (Llama-3-8B and -70B on Perlmutter, from config.json alone);"
 	@echo "         gpu-check (on a GPU machine), nccl-check (Slurm GPU nodes)"
 	@echo "cluster: cluster-start cluster-stop cluster-status;  clean"
@@ -287,6 +287,11 @@ bench-data: venv
 # against a bare loop on the same batches (runs/bench-packing/packing.json; bench/packing.md: the last full run).
 bench-packing: venv
 	OMP_NUM_THREADS=1 $(PY) bench/packing.py --out runs/bench-packing
+
+# Each recipe against a bare loop of its framework at 1, 2 and 4 gloo ranks, GPT and Hugging Face model
+# (runs/bench-ranks/ranks.json; bench/ranks.md: the last full run's). RECIPES=ddp: a part of it.
+bench-ranks: venv
+	OMP_NUM_THREADS=1 $(PY) bench/ranks.py --out runs/bench-ranks $(if $(RECIPES),--recipes $(RECIPES))
 
 # Will Llama-3-8B and -70B fit on Perlmutter (A100-40/80), FSDP2, FSDP2 x TP and ZeRO-3, with activation
 # checkpointing on and off: estimated from config.json alone, ~15 min (runs/fit-table/fit_table.{json,md};

@@ -243,3 +243,25 @@ def test_checkpoint_benchmark_measures_the_blocking_time_of_sync_and_async_saves
     assert bench["ratio_async_to_sync_blocking"] == pytest.approx(background["blocking_s"] / sync["blocking_s"])
     committed = json.loads((REPO / "bench" / "checkpoint_save.json").read_text())  # (the last full run, quoted by the docs)
     assert committed["meta"]["mode"] == "full" and committed["same_losses"] is True
+
+
+def test_the_ranks_benchmark_holds_each_recipe_to_its_bare_loop_at_every_world_size(tmp_path):
+    """bench/ranks.py --quick: DDP's recipe and a bare DDP loop at 1 and 2 ranks; each cell really had its world
+    (the recipe's metrics and the bare loop's ranks say so, DDP at 2), both trained the same model (the recipe's
+    loss on every step against the bare ranks' mean), and the recipe met at fewer syncs than steps. The committed
+    table (bench/ranks.md, a full run's) is its JSON's."""
+    result = run([sys.executable, str(REPO / "bench" / "ranks.py"), "--quick", "--out", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bench = json.loads((tmp_path / "ranks.json").read_text())
+    cells = {(cell["recipe"], cell["model"], cell["ranks"]): cell for cell in bench["cells"]}
+    assert set(cells) == {("ddp", "gpt", 1), ("ddp", "gpt", 2)}
+    assert cells[("ddp", "gpt", 2)]["recipe_wrapper"] == "DistributedDataParallel"
+    for cell in cells.values():
+        assert cell["ratios"] == [r / b for r, b in zip(cell["recipe_samples_per_s"], cell["bare_samples_per_s"])]
+        assert cell["meets_target"] == (cell["ratio"] >= bench["target"] == 0.97)
+        assert cell["loss_max_rel_diff"] < 1e-5 and 1 < cell["recipe_syncs"] < bench["meta"]["steps"]
+    sys.path.insert(0, str(REPO / "bench"))
+    from ranks import table
+
+    committed = REPO / "bench" / "ranks.json"
+    assert (REPO / "bench" / "ranks.md").read_text() == table(json.loads(committed.read_text()))
