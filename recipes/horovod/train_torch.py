@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics.write()
 
     def average(values: list) -> list[float]:  # the sync's one collective: the window's losses, the stop agreement
-        vector = torch.stack([torch.as_tensor(value, dtype=torch.float32).reshape(()) for value in values])
+        vector = torch.stack([torch.as_tensor(value, dtype=torch.float32, device=device).reshape(()) for value in values])
         return (hvd.allreduce(vector, op=hvd.Average) if world_size > 1 else vector).tolist()
 
     # ---- evaluation (--eval-every): the validation loss, each rank its rows, averaged over the ranks
