@@ -59,7 +59,7 @@ def main() -> int:
         if args.preflight < 2:
             raise harness.ConfigError(f"an all-reduce check needs at least 2 ranks, the job has {args.preflight}")
         # (in the image with the job's modules: the network plugin is opened here too, harness/image_checks.py)
-        return harness.preflight_line(NAME, f"{args.preflight} ranks, {args.min_bytes} to {args.max_bytes}", None)
+        return harness.preflight_line(NAME, args, f"{args.preflight} ranks, {args.min_bytes} to {args.max_bytes}", None)
 
     env = harness.detect_dist_env()
     if env.world_size < 2:

@@ -48,7 +48,9 @@ for value in "$nodes" "$tasks" ${gpus:+"$gpus"}; do
     [[ $value =~ ^[1-9][0-9]*$ ]] || { echo "preflight: error: '$value' is not a positive count (-N, -n, -g)" >&2; exit 2; }
 done
 
-# What Slurm would give the batch script (job id 0 marks the check), then the sbatch file itself.
+# What Slurm would give the batch script (job id 0), then the sbatch file itself. HPCML_LOGIN_NODE_CHECK tells
+# the recipe's preflight that it runs here, where there may be no GPU to see (recipes/harness/contract.py).
+export HPCML_LOGIN_NODE_CHECK=1
 export SLURM_JOB_ID=0 SLURM_SUBMIT_DIR=$PWD SLURM_JOB_NUM_NODES=$nodes SLURM_NNODES=$nodes
 export SLURM_NTASKS=$((nodes * tasks)) SLURM_NTASKS_PER_NODE=$tasks SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-$(hostname)}
 [[ -z $gpus ]] || export SLURM_GPUS_PER_NODE=$gpus

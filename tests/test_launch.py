@@ -212,10 +212,20 @@ def test_unwritable_run_directory_and_bad_mounts_fail_before_srun(tmp_path):
     assert "CONTAINER_MOUNTS: 'relative/dir' is not an existing absolute directory" in error
 
 
+def preflight_in_container(runtime: str, mounted: list, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The ddp recipe's preflight as the launcher runs it in a podman or podman-hpc container: with the runtime
+    and the mounted directories it passes (HPCML_CONTAINER_RUNTIME, HPCML_CONTAINER_MOUNTS)."""
+    return run([sys.executable, str(REPO / "recipes" / "ddp" / "train.py"), "--out-dir", "/tmp/hpcml-unused", *args,
+                "--preflight", "2"], env=recipe_env(HPCML_CONTAINER_RUNTIME=runtime,
+                                                   HPCML_CONTAINER_MOUNTS=":".join(map(str, mounted)), **env), timeout=120)
+
+
 def test_a_token_file_must_be_mounted_into_the_containers(tmp_path):
-    """--data PREFIX under podman/podman-hpc: inside a mounted directory; the line names the CONTAINER_MOUNTS
-    that fixes it. (Whether the files are there and whole is the recipe's own preflight's, in the runtime:
-    tests/test_data.py; the launcher does not check them a second time.)"""
+    """--data PREFIX under podman/podman-hpc: inside a mounted directory, on the command line or in --config
+    alike. The launcher passes its mounts to the containers and parses no option of the recipe; the recipe's
+    own preflight, in the container and after reading --config, checks every path its ranks will read
+    (recipes/harness/mounts.py; every case of it: tests/unit/test_mounts.py) and says whether the files are
+    there and whole (tests/test_data.py)."""
     data = tmp_path / "data"
     data.mkdir()
     prefix = data / "tokens"
@@ -225,20 +235,24 @@ def test_a_token_file_must_be_mounted_into_the_containers(tmp_path):
     assert [line for line in refused.stderr.splitlines() if "error" in line] == [
         line for line in refused.stderr.splitlines() if line.startswith(f"[ddp] error: --data {prefix}")], refused.stderr
     assert "prepare.py" in refused.stderr and not (tmp_path / "run").exists()
-    for suffix in (".bin", ".idx", ".json"):
-        Path(f"{prefix}{suffix}").write_text("")
-    for runtime in ("podman", "podman-hpc"):
+    for runtime in ("podman", "podman-hpc"):  # what the containers are told they have
         image = dict(CONTAINER_IMAGE="me/ddp:v1", CONTAINER_RUNTIME=runtime, LAUNCH_DRY_RUN="1")
-        error = one_line_error(launch(f"--data={prefix}", **image, CONTAINER_MOUNTS=str(REPO / "recipes")))
-        assert f"--data {prefix} is not in any directory mounted into the {runtime} containers" in error
-        assert f'CONTAINER_MOUNTS="{REPO}/recipes {data}"' in error
-        mounted = launch("--data", "synthetic", "--data", str(prefix), **image, CONTAINER_MOUNTS=str(data))
-        assert mounted.returncode == 0 and str(data) in mounts(srun_line(mounted)), mounted.stderr
-    for runtime in ("none", "shifter"):  # the host's files, the site's file systems
-        assert launch("--data", str(prefix), CONTAINER_RUNTIME=runtime, CONTAINER_IMAGE="me/ddp:v1",
-                      LAUNCH_DRY_RUN="1").returncode == 0
-    assert launch("--data", "synthetic", CONTAINER_RUNTIME="podman", CONTAINER_IMAGE="me/ddp:v1",
-                  LAUNCH_DRY_RUN="1").returncode == 0
+        words = srun_line(launch("--data", str(prefix), **image, RUN_DIR=str(tmp_path / "run"), CONTAINER_MOUNTS=str(data)))
+        assert f"HPCML_CONTAINER_MOUNTS={REPO}:{tmp_path}/run:{data}" in words and mounts(words) == [
+            str(REPO), f"{tmp_path}/run", str(data)]
+    # In the container, the data set named in the user's TOML file: refused before any rank starts unless mounted
+    config = tmp_path / "conf" / "run.toml"
+    config.parent.mkdir()
+    config.write_text(f'data = "{prefix}"\n')
+    error = preflight_in_container("podman-hpc", [REPO, config.parent], "--config", str(config))
+    assert error.returncode == 2 and error.stderr.strip().splitlines() == [
+        f"[ddp] error: --data {prefix} is not in any directory mounted into the podman-hpc containers ({REPO}, "
+        f"{config.parent}): mount its directory: add {data} to CONTAINER_MOUNTS"], error.stderr
+    unmounted_config = preflight_in_container("podman-hpc", [REPO, data], "--config", str(config))
+    assert f"[ddp] error: --config {config} is not in any directory mounted" in unmounted_config.stderr
+    mounted = preflight_in_container("podman-hpc", [REPO, config.parent, data], "--config", str(config))
+    assert mounted.returncode == 2 and f"--data {prefix}: {prefix}.json does not exist" in mounted.stderr  # (its files)
+    assert "mounted" not in mounted.stderr, mounted.stderr
 
 
 def test_podman_mounts_a_working_directory_outside_the_repository(tmp_path):
@@ -276,7 +290,8 @@ def test_podman_hpc_command():
     # Each rank's own SLURM_PROCID and the step's variables (absent where the command is built) must
     # reach its container: podman takes them, by prefix, from each task's environment.
     passed = [words[i + 1] for i, word in enumerate(words) if word == "-e"]
-    assert passed == ["SLURM_*", "MASTER_*", "NCCL_*", "TORCH_NCCL_*", "TORCH_FR_*", "FI_*", "HPCML_*", "HOROVOD_*",
+    assert passed == [f"HPCML_CONTAINER_MOUNTS={REPO}",  # (what the recipe's preflight checks its paths against)
+                      "SLURM_*", "MASTER_*", "NCCL_*", "TORCH_NCCL_*", "TORCH_FR_*", "FI_*", "HPCML_*", "HOROVOD_*",
                       "TF_*", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONNOUSERSITE", "TRITON_CACHE_DIR"]
     assert words[words.index("me/ddp:v1") + 1 :][:2] == ["python3", f"{REPO}/recipes/ddp/train.py"]
 
@@ -581,43 +596,12 @@ def test_an_images_file_that_is_a_directory_is_one_line(tmp_path):
     assert f"HPCML_IMAGES_FILE={tmp_path} is not a file" in error
 
 
-def test_with_your_own_dataset_data_is_a_file_not_a_token_prefix(tmp_path):
-    """--dataset MODULE:FACTORY reads --data as it likes (an HDF5 file here), which no recipe can check before
-    it runs: the launcher checks that it is readable on the batch node (not that PREFIX.json/.idx/.bin are)."""
-    fields = tmp_path / "fields.h5"
-    fields.write_bytes(b"\x89HDF\r\n\x1a\n")
-    job = dict(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1")
-    result = launch("--dataset", "recipes/examples/fields.py:dataset", "--data", str(fields), **job)
-    assert result.returncode == 0, result.stderr
-    missing = one_line_error(launch("--dataset", "recipes/examples/fields.py:dataset", "--data", str(tmp_path / "no.h5"), **job))
-    assert missing.startswith(f"launch: error: --data {tmp_path}/no.h5 is not readable on the batch node"), missing
-
-
-def test_your_model_directory_and_code_must_be_mounted(tmp_path):
-    """--model hf:DIR and --model/--dataset FILE.py:FACTORY under podman/podman-hpc: inside a mounted directory,
-    as --data is (the line names the CONTAINER_MOUNTS that fixes it). Whether they are there is the recipe's
-    own preflight's (tests/test_models.py), as is a module on PYTHONPATH (mypkg.models:build)."""
-    models = tmp_path / "models"
-    (models / "llama").mkdir(parents=True)
-    (models / "mine.py").write_text("def build(args): ...\n")
-    job = dict(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1")
-    assert launch("--model", f"hf:{models}/llama", **job).returncode == 0
-    assert launch("--model", "mypkg.models:build", **job).returncode == 0
-    for runtime in ("podman", "podman-hpc"):
-        image = dict(CONTAINER_IMAGE="me/ddp:v1", CONTAINER_RUNTIME=runtime, LAUNCH_DRY_RUN="1")
-        for option in (["--model", f"hf:{models}/llama"], ["--model", f"{models}/mine.py:build"]):
-            error = one_line_error(launch(*option, **image))
-            assert f"{' '.join(option)} is not in any directory mounted into the {runtime} containers" in error, error
-            assert f'CONTAINER_MOUNTS="{models}' in error
-            mounted = launch(*option, **image, CONTAINER_MOUNTS=str(models))
-            assert mounted.returncode == 0 and str(models) in mounts(srun_line(mounted)), mounted.stderr
-
-
 def test_nsight_systems_wraps_each_rank_for_the_profiled_steps(tmp_path):
     """HPCML_NSYS=1 (GPU only: it is checked here as a dry run): `nsys profile` in front of each rank's Python,
     its capture range the CUDA profiler range the recipe opens for --profile START:END, a report per rank in
-    RUN_DIR/nsys. Without --profile there is nothing to capture: one line, before srun. (On a GPU machine:
-    HPCML_NSYS=1 sbatch slurm/ddp.sh --profile 10:12, then `nsys stats RUN_DIR/nsys/rank0.nsys-rep`.)"""
+    RUN_DIR/nsys. Without --profile (on the command line or in --config) there is nothing to capture: one line
+    from the recipe's preflight, before srun. (On a GPU machine: HPCML_NSYS=1 sbatch slurm/ddp.sh --profile 10:12,
+    then `nsys stats RUN_DIR/nsys/rank0.nsys-rep`.)"""
     run_dir = tmp_path / "run"
     result = launch("--profile", "3:4", CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", HPCML_NSYS="1", RUN_DIR=str(run_dir))
     assert result.returncode == 0, result.stderr
@@ -626,8 +610,12 @@ def test_nsight_systems_wraps_each_rank_for_the_profiled_steps(tmp_path):
     assert words[nsys:nsys + 2] == ["nsys", "profile"] and words[nsys + 7:nsys + 9] == ["python3", f"{REPO}/recipes/ddp/train.py"]
     assert {"--capture-range=cudaProfilerApi", "--capture-range-end=stop", f"--output={run_dir}/nsys/rank%q{{SLURM_PROCID}}"} \
         <= set(words[nsys:nsys + 7])
-    refused = launch("--max-steps", "3", CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", HPCML_NSYS="1", RUN_DIR=str(run_dir))
+    # Without --profile (on the command line or in --config): the recipe's preflight refuses it, one line
+    refused = preflight_in_container("none", [], "--max-steps", "3", HPCML_NSYS="1")
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1 and "add it (e.g. --profile 10:12)" in lines[0], refused.stderr
+    config = tmp_path / "run.toml"
+    config.write_text('profile = "3:4"\nmax-steps = 5\n')
+    assert preflight_in_container("none", [], "--config", str(config), HPCML_NSYS="1").returncode == 0
     plain = srun_line(launch("--profile", "3:4", CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", RUN_DIR=str(run_dir)))
     assert "nsys" not in plain

@@ -92,13 +92,14 @@ def load_cells() -> list[dict]:
     cells = tomllib.loads(MATRIX.read_text())["cell"]
     for cell in cells:
         unknown = set(cell) - {"image", "recipe", "runtime", "image_from", "user", "nodes", "tasks_per_node",
-                               "devices_per_task", "layout", "args", "expect", "tier", "data", "model", "tracker"}
+                               "devices_per_task", "layout", "args", "expect", "tier", "data", "model", "tracker", "config"}
         assert not unknown, f"matrix.toml: unknown keys {unknown} in {cell}"
         assert cell["expect"] in ("pass", "config-error"), cell
         assert cell.setdefault("tier", "default") in ("default", "full"), cell
         assert cell.setdefault("data", False) in (True, False) and not (cell["data"] and cell["expect"] != "pass"), cell
         assert cell.setdefault("model", False) in (True, False) and not (cell["model"] and cell["expect"] != "pass"), cell
         assert cell.setdefault("tracker", False) in (True, False) and not (cell["tracker"] and cell["expect"] != "pass"), cell
+        assert cell.setdefault("config", False) in (True, False) and not (cell["config"] and not cell["data"]), cell
         assert cell["runtime"] in RUNTIMES, cell
         cell.setdefault("user", "normal" if cell["runtime"] in BY_DEFAULT_AS_USER else "root")
         assert cell["user"] in ("normal", "root") and (cell["user"] == "normal" or cell["runtime"] not in AS_USER), cell
@@ -285,8 +286,14 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
         (work / "images").write_text(f"{cell['image']}=hpcml/not-this-one:cpu\n{cell['image']}={image}\n")
     tracked = ["--tracker", "tensorboard,wandb,mlflow"] if cell["tracker"] else []  # (not the reference's)
     submitted = int(time.time()) - 1  # (podman's events of this job: from here on)
+    recipe_args = [*args, *tracked]
+    if cell["config"]:  # the data set named in the user's TOML file instead (the preflight reads it, in the image)
+        config = work / "run.toml"
+        config.write_text(f'data = "{token_file}"\n')
+        at = recipe_args.index("--data")
+        recipe_args[at:at + 2] = ["--config", str(config)]
     code, job = submit_recipe(slurm_cluster, work, recipe, "--wait", "-N", str(cell["nodes"]),
-                              "--ntasks-per-node", str(cell["tasks_per_node"]), *options, recipe_args=[*args, *tracked],
+                              "--ntasks-per-node", str(cell["tasks_per_node"]), *options, recipe_args=recipe_args,
                               user=user, **env)
     state, log = job_state(job), (work / f"{recipe}-{job}.out").read_text()
     assert f"launch: runtime={runtime} " in log, log
@@ -353,6 +360,10 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
 
     reference, reference_eval = reference_losses(recipe, reference_args(recipe, args, world))
     assert losses(metrics) == pytest.approx(list(reference), rel=PARITY_RTOL)
+    if cell["config"]:  # the preflight's answer (RUN_DIR/preflight.json): the paths it checked, after --config
+        answer = json.loads((tmp_path / "run" / "preflight.json").read_text())
+        assert answer["world_size"] == world and answer["container"] == runtime, answer
+        assert answer["paths_read"] == {f"--config {config}": str(config), f"--data {token_file}": str(token_file.parent)}
     if cell["data"]:  # it read the data set, and evaluated on its validation split as one process does
         assert metrics["config"]["data"] == args[args.index("--data") + 1] and len(eval_losses(metrics)) == 2
         assert eval_losses(metrics) == pytest.approx(list(reference_eval), rel=PARITY_RTOL)

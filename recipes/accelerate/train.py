@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         validate(args, args.preflight, spec, harness.nodes_in_job())
         resume_from, _ = harness.resume_dir(args, must_match)
-        return harness.preflight_line(RECIPE, f"options fit world size {args.preflight}", resume_from)
+        return harness.preflight_line(RECIPE, args, f"options fit world size {args.preflight}", resume_from)
     env = harness.detect_dist_env()  # accelerate launch speaks torchrun's protocol (RANK, WORLD_SIZE, ...)
     dp = validate(args, env.world_size, spec, harness.nodes_in_job() if env.launcher != "single" else None)
     harness.check_expected_world_size(env.world_size)

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         validate(args, args.preflight, spec)
         resume_from, _ = harness.resume_file(args, must_match)
-        return harness.preflight_line(RECIPE, f"options fit world size {args.preflight}", resume_from)
+        return harness.preflight_line(RECIPE, args, f"options fit world size {args.preflight}", resume_from)
     env = harness.detect_dist_env()
     validate(args, env.world_size, spec)
     harness.check_expected_world_size(env.world_size)

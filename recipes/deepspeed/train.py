@@ -361,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     resume_from, trainer_state = harness.resume_dir(args, must_match)
     check_resumable(resume_from, trainer_state, stage, world_size, pp)
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
-        return harness.preflight_line(RECIPE, f"ZeRO-{stage}, PP {pp} x DP {dp}, batch {global_batch} = {micro_rows} x "
-                                      f"{accum} x {dp} {'ranks' if pp == 1 else 'DP ranks'}", resume_from)
+        return harness.preflight_line(RECIPE, args, f"ZeRO-{stage}, PP {pp} x DP {dp}, batch {global_batch} = {micro_rows} x "
+                                      f"{accum} x {dp} {'ranks' if pp == 1 else 'DP ranks'}", resume_from,
+                                      layout={"pp": pp, "dp": dp})
     env = harness.detect_dist_env()
     harness.check_expected_world_size(env.world_size)
 

@@ -372,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         layout = validate(args, args.preflight, spec)
         resume_from, _ = harness.resume_dir(args, must_match)
-        return harness.preflight_line(RECIPE, " x ".join(f"{k} {v}" for k, v in layout.mesh_shape().items())
-                                      + f" = {args.preflight} ranks, {layout.micro_batches} micro-batches", resume_from)
+        return harness.preflight_line(RECIPE, args, " x ".join(f"{k} {v}" for k, v in layout.mesh_shape().items())
+                                      + f" = {args.preflight} ranks, {layout.micro_batches} micro-batches", resume_from,
+                                      layout=layout.mesh_shape())
     env = harness.detect_dist_env()
     layout = validate(args, env.world_size, spec)
     harness.check_expected_world_size(env.world_size)

@@ -1,8 +1,12 @@
 """The small harness every recipe trains on: only what all of them need, split by concern.
 
     errors      ConfigError (bad input) and stderr_line: the bottom layer, imported by every other module
+    contract    what the launcher (slurm/lib/contract.sh) and the recipes say to each other: exit codes, the
+                stop marker, the environment the launcher exports
     cli         the shared options (parse_recipe_args), TOML configs, the checks before any rank starts
                 (validate_run, require_*), main_entry (bad input: one line, exit 2)
+    mounts      the host paths a run reads (--config, --data, --model, --dataset), each checked against the
+                directories the launcher mounted into its container
     launch      rank layout (torchrun or srun), the expected world size, the PyTorch process group, the
                 collectives of the logs and the end-of-run proof, a failed collective as one line (exit 4)
     data        --data: synthetic tokens or a token file; step s is the same global batch at any world size;

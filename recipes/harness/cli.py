@@ -10,6 +10,7 @@ stopping, logging; ``add_data_options``; ``add_model_options``: --model) and par
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -17,12 +18,14 @@ import tomllib
 from pathlib import Path
 from typing import Callable
 
+from .contract import CONTAINER_RUNTIME_ENV, EXIT_BAD_INPUT, LOGIN_NODE_CHECK_ENV, NSYS_ENV, PREFLIGHT_RECORD_ENV
 from .data import check_data_option, masked_data, user_dataset
 from .errors import ConfigError, stderr_line
 from .image_checks import check_compiler, check_network_plugin
 from .launch import (check_gpus_visible, check_ranks_per_gpu, exit_after_leaving_the_group, exit_on_collective_failure,
                      failed_collective_rank, slurm_gave_gpus)
 from .metrics import check_tensorboard_writer, tensorboard_dir
+from .mounts import check_paths_visible, paths_read
 from .tracking import check_trackers_installed, parse_trackers
 from .profiling import profile_steps
 
@@ -30,7 +33,7 @@ from .profiling import profile_steps
 def exit_on_config_error(recipe: str, error: ConfigError) -> None:
     """One line on stderr, exit code 2: what users see instead of a stack trace."""
     stderr_line(f"[{recipe}] error: {error}")
-    sys.exit(2)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 def main_entry(recipe: str, main: Callable[[], int]) -> None:
@@ -191,6 +194,8 @@ def parse_recipe_args(p: argparse.ArgumentParser, recipe: str, argv: list[str] |
         add_model_options(p)
         model_options(p)
     args = parse_args_with_config(p, argv)
+    # every path the ranks read, in the directories the container mounts (after --config: one check for both)
+    check_paths_visible(args)
     require_at_least_one(args, "seq_len", "vocab_size", "eval_batches")
     if getattr(args, "lora_rank", None) is not None and not lora:
         raise ConfigError(f"--lora-rank: recipes/ddp and recipes/fsdp_tp_pp fine-tune with LoRA; {recipe} does not "
@@ -261,6 +266,10 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
         raise ConfigError(f"--stop-at-step must be between 1 and --max-steps {args.max_steps}")
     profile_steps(args)
+    if os.environ.get(NSYS_ENV) == "1" and not getattr(args, "profile", None):  # (slurm/lib/runtime.sh)
+        raise ConfigError("HPCML_NSYS=1 captures the steps of the recipe's --profile START:END: add it (e.g. --profile 10:12)"
+                          if hasattr(args, "profile") else "HPCML_NSYS=1 captures a recipe's --profile steps, which this "
+                          "recipe does not have: leave HPCML_NSYS out")
     trackers = parse_trackers(args.tracker)
     if args.tensorboard not in (None, "off") and "tensorboard" not in trackers:
         raise ConfigError(f"--tensorboard {args.tensorboard} names a directory for TensorBoard, which --tracker "
@@ -273,17 +282,30 @@ def validate_run(args: argparse.Namespace, world_size: int | None, framework: st
 
         check_compiler("cuda" if torch.version.cuda and (torch.cuda.is_available() or slurm_gave_gpus()) else "cpu")
     check_ranks_per_gpu()
-    # slurm/preflight.sh (job id 0) runs on a login node, which may have no GPU: there, the build only.
-    check_gpus_visible(framework, build_only=args.preflight is not None and os.environ.get("SLURM_JOB_ID") == "0")
+    # slurm/preflight.sh runs on a login node, which may have no GPU: there, the build only.
+    check_gpus_visible(framework, build_only=args.preflight is not None and os.environ.get(LOGIN_NODE_CHECK_ENV) == "1")
 
 
-def preflight_line(recipe: str, summary: str, resume_from: Path | None) -> int:
+def preflight_line(recipe: str, args: argparse.Namespace, summary: str, resume_from: Path | None,
+                   layout: dict[str, int] | None = None) -> int:
     """What ``--preflight`` prints when the options are fine (slurm/lib/launch.sh shows it); exit code 0. It runs
-    in the image with the job's modules, once per job: the network plugin is opened here (image_checks.py)."""
+    in the image with the job's modules, once per job: the network plugin is opened here (image_checks.py).
+    Where the launcher asks for it (PREFLIGHT_RECORD_ENV: RUN_DIR/preflight.json), the same answer as JSON:
+    the world size and layout, every path the ranks will read, the checkpoint it resumes, the plugin, and every
+    option as the ranks will see it after --config (what ran, in one place)."""
     plugin = check_network_plugin()
     if plugin:
         print(f"[{recipe}] preflight: {plugin}", flush=True)
     print(f"[{recipe}] preflight: {summary}" + (f"; will resume from {resume_from}" if resume_from else ""), flush=True)
+    record = os.environ.get(PREFLIGHT_RECORD_ENV)
+    if record:
+        answer = {"recipe": recipe, "world_size": args.preflight, "layout": layout or {"dp": args.preflight},
+                  "summary": summary, "resume_from": str(resume_from) if resume_from else None,
+                  "network_plugin": plugin, "container": os.environ.get(CONTAINER_RUNTIME_ENV, "none"),
+                  "paths_read": {what: str(path) for what, path in paths_read(args).items()},
+                  "options": {name: value if isinstance(value, (bool, int, float, type(None))) else str(value)
+                              for name, value in sorted(vars(args).items())}}
+        Path(record).write_text(json.dumps(answer, indent=1) + "\n")
     return 0
 
 
@@ -297,6 +319,7 @@ def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | No
     path = getattr(args, "config", None)
     if path is None:
         return args
+    check_paths_visible(argparse.Namespace(config=path))  # (the file itself, in the container's mounts)
     try:
         values = tomllib.loads(Path(path).read_text())
     except OSError as error:

@@ -21,6 +21,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from .contract import CONTAINER_RUNTIME_ENV
 from .errors import ConfigError
 
 # NERSC's network plugin module for each CUDA major, as each runtime names it (NERSC's slurm-ray-cluster README,
@@ -79,7 +80,7 @@ def check_network_plugin(environ: dict[str, str] | None = None) -> str | None:
     loader's own reason and the module to use, when it does not load or is the build of another CUDA major."""
     env = os.environ if environ is None else environ
     module = env.get("HPCML_NCCL_MODULE_LOADED", "")
-    runtime = env.get("HPCML_CONTAINER_RUNTIME", "")
+    runtime = env.get(CONTAINER_RUNTIME_ENV, "")
     if not env.get("NCCL_NET") or not module:
         return None
     described = f"Shifter's {module} module" if runtime == "shifter" else f"podman-hpc's --{module}"

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from .contract import EXIT_COLLECTIVE_FAILED, EXPECTED_WORLD_SIZE_ENV
 from .errors import ConfigError, stderr_line
 
 if TYPE_CHECKING:
@@ -150,12 +151,9 @@ def check_ranks_per_gpu(environ: dict[str, str] | None = None) -> None:
                           f"--ntasks-per-node={gpus} (or ask for --gpus-per-node={ranks})")
 
 
-# slurm/lib/launch.sh exports the number of ranks it launched. A recipe whose framework formed another world
-# (a launcher that started one process, or N independent copies that each see world size 1, all exiting 0)
-# stops here instead of training the wrong thing.
-EXPECTED_WORLD_SIZE_ENV = "HPCML_EXPECTED_WORLD_SIZE"
-
-
+# slurm/lib/launch.sh exports the number of ranks it launched (EXPECTED_WORLD_SIZE_ENV). A recipe whose
+# framework formed another world (a launcher that started one process, or N independent copies that each see
+# world size 1, all exiting 0) stops here instead of training the wrong thing.
 def check_expected_world_size(world_size: int, environ: dict[str, str] | None = None) -> None:
     expected = (os.environ if environ is None else environ).get(EXPECTED_WORLD_SIZE_ENV, "")
     if expected.isdigit() and int(expected) != world_size:
@@ -534,4 +532,4 @@ def exit_on_collective_failure(recipe: str, error: BaseException, rank: int | st
     evidence = f" (its last collective: {recorded[1]}; flight recorder: {recorded[0]})" if recorded else ""
     stderr_line(f"[{recipe}] error: rank {rank} on {socket.gethostname()}: a collective failed ({first_line[:200]}): "
                 f"another rank died, hung or was stopped; the job ends here{evidence}")
-    sys.exit(4)
+    sys.exit(EXIT_COLLECTIVE_FAILED)

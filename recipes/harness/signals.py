@@ -12,9 +12,9 @@ import signal
 from pathlib import Path
 
 from .checkpoint import atomic_write_bytes
+from .contract import STOP_MARKER
 from .errors import stderr_line
 
-STOP_MARKER = "stopped_by_signal"
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank
         validate(args, args.preflight)
         latest, _ = harness.resume_dir(args, must_match_to_resume(args, args.preflight), state_file="meta.json")
-        return harness.preflight_line(RECIPE, f"options fit world size {args.preflight}", latest)
+        return harness.preflight_line(RECIPE, args, f"options fit world size {args.preflight}", latest)
 
     # ---- rank, device, controller: Horovod's world must exist before TensorFlow picks its devices
     launcher = horovod_launch.prepare_world()

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.preflight is not None:
         validate(args, args.preflight, spec)
         resume_from, _ = harness.resume_file(args, must_match(args.preflight))
-        return harness.preflight_line(RECIPE, f"options fit world size {args.preflight}", resume_from)
+        return harness.preflight_line(RECIPE, args, f"options fit world size {args.preflight}", resume_from)
 
     # ---- rank, device, controller
     launcher = horovod_launch.prepare_world()

@@ -120,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts any rank (no megatron import: seconds)
         layout = validate(args, args.preflight)
         resume_from, _ = harness.resume_dir(args, must_match)
-        return harness.preflight_line(RECIPE, f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp} = {args.preflight} "
+        return harness.preflight_line(RECIPE, args, f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp} = {args.preflight} "
                                       f"ranks, {layout.num_microbatches} micro-batches of {layout.micro_batch}"
-                                      + (f", VP {layout.vp}" if layout.vp else ""), resume_from)
+                                      + (f", VP {layout.vp}" if layout.vp else ""), resume_from,
+                                      layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp})
     env = harness.detect_dist_env()
     layout = validate(args, env.world_size)
     harness.check_expected_world_size(env.world_size)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.preflight is not None:  # slurm/lib/launch.sh, before it starts the process
         validate(args, args.preflight)
-        return harness.preflight_line(RECIPE, "options are fine for one process", None)
+        return harness.preflight_line(RECIPE, args, "options are fine for one process", None)
     env = harness.detect_dist_env()
     harness.check_expected_world_size(1)
     validate(args, env.world_size)

@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # The launcher's own checks, one line each, before any rank starts: the allocation, the network plugin, the
-# paths the ranks read, the bare Python. (The recipe's options are its own preflight's: launch.sh runs it.)
+# directories, the bare Python. (The recipe's options, and the paths they name, are its own preflight's:
+# launch.sh runs it in the runtime; the launcher parses no option of a recipe.)
 # Sourced by slurm/lib/launch.sh, with the others; nothing here runs on its own.
 
 # One line per check, before any rank starts: the allocation, the network plugin, the directories.
@@ -63,66 +64,6 @@ check_allocation() {
     done
 }
 
-# --data PATH under podman and podman-hpc: inside a directory mounted into the containers. Whether the token
-# file is there and whole is the recipe's preflight's to say (recipes/harness/data.py), on the batch node, in
-# the runtime. With --dataset, --data is whatever the user's factory reads (a file or a directory), which no
-# recipe can check before it runs: readable on the batch node, here.
-check_data_path() {
-    local runtime=$1 path="" previous="" arg dataset=0
-    shift
-    for arg in "$@"; do # the last --data wins, as in argparse
-        [[ $previous == --data ]] && path=$arg
-        [[ $arg == --data=* ]] && path=${arg#--data=}
-        [[ $arg == --dataset || $arg == --dataset=* ]] && dataset=1
-        previous=$arg
-    done
-    [[ -n $path && $path != synthetic ]] || return 0
-    [[ $path == /* ]] || path=$PWD/$path
-    if ((dataset)) && [[ ! -r $path ]]; then
-        launch_error "--data $path is not readable on the batch node $(hostname): put it on a file system every" \
-            "node mounts (Perlmutter: under \$SCRATCH)"
-    fi
-    require_mounted "$runtime" "--data $path" "$path"
-}
-
-# Under podman and podman-hpc, a host path the ranks read must sit in a directory mounted into the containers.
-require_mounted() {
-    local runtime=$1 what=$2 path=$3 dir
-    [[ $runtime == podman || $runtime == podman-hpc ]] || return 0
-    # shellcheck disable=SC2086 # CONTAINER_MOUNTS is a space-separated list
-    for dir in "$REPO_DIR" "$PWD" ${RUN_DIR:+"$RUN_DIR"} ${CONTAINER_MOUNTS:-}; do
-        is_inside "$path" "$dir" && return 0
-    done
-    launch_error "$what is not in any directory mounted into the $runtime containers (the repository," \
-        "the working directory, RUN_DIR${CONTAINER_MOUNTS:+, CONTAINER_MOUNTS}): mount its directory," \
-        "CONTAINER_MOUNTS=\"${CONTAINER_MOUNTS:+$CONTAINER_MOUNTS }$(dirname "$path")\""
-}
-
-# --model hf:DIR (a Hugging Face model directory) and --model/--dataset FILE.py:FACTORY (the user's code):
-# under podman and podman-hpc, inside a mounted directory, as --data is. (Whether they are there is the
-# recipe's preflight's to say, recipes/harness/model.py; a module on PYTHONPATH, mypkg.models:build, too.)
-check_model_paths() {
-    local runtime=$1 previous="" arg value path
-    shift
-    for arg in "$@"; do
-        value=""
-        [[ $previous == --model || $previous == --dataset ]] && value="$previous $arg"
-        [[ $arg == --model=* || $arg == --dataset=* ]] && value="${arg%%=*} ${arg#*=}"
-        previous=$arg
-        [[ -n $value ]] || continue
-        path=${value#* }
-        if [[ $path == hf:* ]]; then
-            path=${path#hf:}
-        elif [[ ${path%:*} == *.py || ${path%:*} == */* ]]; then
-            path=${path%:*}
-        else
-            continue
-        fi
-        [[ $path == /* ]] || path=$PWD/$path
-        require_mounted "$runtime" "$value" "$path"
-    done
-}
-
 # The bare runtime runs PYTHON on every node as the job's user: an interpreter that user cannot run (a venv
 # whose Python lives under another user's home, mode 700; a path that is not there) is one line here rather
 # than "Permission denied" from every rank.
@@ -144,13 +85,11 @@ find_on_library_path() {
     return 1
 }
 
-# HPCML_NSYS=1 (runtime.sh) records the steps of the recipe's --profile and writes to RUN_DIR/nsys.
+# HPCML_NSYS=1 (runtime.sh) records the steps of the recipe's --profile and writes to RUN_DIR/nsys. (That the
+# recipe has --profile, on its command line or in its --config, is its own preflight's to say.)
 check_nsys() {
     local runtime=$1
-    shift
     [[ ${HPCML_NSYS:-0} == 1 ]] || return 0
-    [[ " $* " == *" --profile "* || " $* " == *" --profile="* ]] ||
-        launch_error "HPCML_NSYS=1 captures the steps of the recipe's --profile START:END: add it (e.g. --profile 10:12)"
     [[ -n ${RUN_DIR:-} ]] || launch_error "HPCML_NSYS=1 writes its reports to RUN_DIR/nsys: set RUN_DIR"
     if [[ $runtime == none && ${LAUNCH_DRY_RUN:-0} != 1 ]] && ! command -v nsys >/dev/null 2>&1; then
         launch_error "HPCML_NSYS=1 but nsys is not on PATH of $(hostname) (on Perlmutter: module load cudatoolkit)"

@@ -8,7 +8,7 @@
 #
 # What it needs from a recipe: `--out-dir DIR` (the sbatch file passes RUN_DIR), `--preflight WORLD_SIZE`
 # (check the options, exit 0 or 2 with one line), and, when stopped by SIGUSR1, a checkpoint plus the file
-# RUN_DIR/stopped_by_signal (recipes/harness/signals.py: StopRequest) and exit 0. Every rank sees
+# RUN_DIR/$STOP_MARKER (recipes/harness/signals.py: StopRequest) and exit 0. Every rank sees
 # HPCML_EXPECTED_WORLD_SIZE (the job's task count) and refuses to train in a world of another size.
 #
 # Ranks are srun tasks (one task per rank), unless the sbatch file sets RECIPE_LAUNCHER: a bash script
@@ -60,9 +60,10 @@
 #                      container; the sbatch files default it to runs/<recipe>-<jobid> in the repository
 #   CONTAINER_MOUNTS   more host directories the ranks need (data sets), space-separated; each is mounted
 #                      at the same path (podman, podman-hpc; Shifter mounts $SCRATCH and $HOME itself).
-#                      Under podman and podman-hpc, a recipe's --data, --model hf:DIR and FILE.py must sit in a
-#                      mounted directory (the launcher refuses the job otherwise; whether they are there and
-#                      whole, the recipe's own preflight says, in the runtime, on the batch node)
+#                      Under podman and podman-hpc, a recipe's --data, --model hf:DIR, FILE.py and --config
+#                      must sit in a mounted directory: the recipe's own preflight, in the runtime on the batch
+#                      node, refuses the job otherwise (recipes/harness/mounts.py), and says whether they are
+#                      there and whole
 #
 # The pieces, by concern (each sourced here): runtime.sh (the runtime and the srun step), image.sh (which
 # image), network.sh (rendezvous host, NCCL/Slingshot settings), checks.sh (the launcher's checks),
@@ -70,6 +71,8 @@
 # (recipes/harness/launch.py): ranks per node (--tp node), GPUs per rank, the token files and models.
 
 LAUNCH_LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=slurm/lib/contract.sh
+source "$LAUNCH_LIB/contract.sh"
 # shellcheck source=slurm/lib/runtime.sh
 source "$LAUNCH_LIB/runtime.sh"
 # shellcheck source=slurm/lib/image.sh
@@ -83,7 +86,7 @@ source "$LAUNCH_LIB/run_dir.sh"
 
 launch_error() {
     echo "launch: error: $*" >&2
-    exit 2
+    exit "$EXIT_BAD_INPUT"
 }
 
 # The recipe checks its own options for this world size (and the checkpoint it would resume), in the
@@ -97,7 +100,7 @@ recipe_preflight() {
     output=$(without_run_dir_lock "${check[@]}" 2>&1) || status=$?
     case $status in
     0) [[ -z $output ]] || echo "$output" ;;
-    2) [[ -z $output ]] || echo "$output" >&2 ;;
+    "$EXIT_BAD_INPUT") [[ -z $output ]] || echo "$output" >&2 ;;
     *)
         module=$(sed -n "s/^ModuleNotFoundError: No module named '\([^']*\)'.*/\1/p" <<<"$output" | tail -n 1)
         if [[ -n $module && $runtime == none ]]; then
@@ -129,16 +132,14 @@ launch_recipe() {
         "(cd path/to/repo && sbatch slurm/...) or set REPO_DIR"
 
     local runtime image
-    runtime=$(choose_runtime) || exit 2
+    runtime=$(choose_runtime) || exit "$EXIT_BAD_INPUT"
     choose_image "$runtime" "$recipe"
     image=$IMAGE
     export_network_settings
     export_plugin_module "$runtime" "$image" "$recipe"
     check_allocation "$runtime" "$recipe"
     [[ -z ${RUN_DIR:-} || $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
-    check_data_path "$runtime" "$@"
-    check_model_paths "$runtime" "$@"
-    check_nsys "$runtime" "$@"
+    check_nsys "$runtime"
     [[ $runtime != none || ${LAUNCH_DRY_RUN:-0} == 1 ]] || check_bare_python
     local created_run_dir=0
     if [[ -n ${RUN_DIR:-} ]]; then
@@ -181,14 +182,18 @@ launch_recipe() {
     [[ -z ${RUN_DIR:-} ]] || claim_run_dir
     if [[ ${LAUNCH_PREFLIGHT:-1} == 1 ]]; then
         local preflight_started=$EPOCHREALTIME
+        # The recipe's answer as JSON (recipes/harness/cli.py: preflight_line): the layout, every path the ranks
+        # will read, the checkpoint it resumes, every option after --config; kept with the run.
+        [[ -z ${RUN_DIR:-} || ${LAUNCH_PREFLIGHT_ONLY:-0} == 1 ]] || export HPCML_PREFLIGHT_RECORD=$RUN_DIR/preflight.json
         if ! recipe_preflight "$runtime" "$image" "$recipe" "$@"; then
             # The recipe's own line above says what to change; leave nothing behind.
             ((created_run_dir)) && rm -f "$RUN_DIR/$RUN_DIR_LOCK_FILE" && rmdir "$RUN_DIR" 2>/dev/null
-            exit 2
+            exit "$EXIT_BAD_INPUT"
         fi
         HPCML_PREFLIGHT_S=$(awk -v a="$preflight_started" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.3f", b - a }')
         export HPCML_PREFLIGHT_S
-        echo "launch: the recipe's preflight took $HPCML_PREFLIGHT_S s"
+        echo "launch: the recipe's preflight took $HPCML_PREFLIGHT_S s${HPCML_PREFLIGHT_RECORD:+ (its answer: $HPCML_PREFLIGHT_RECORD)}"
+        unset HPCML_PREFLIGHT_RECORD
     fi
     if [[ ${LAUNCH_PREFLIGHT_ONLY:-0} == 1 ]]; then
         ((created_run_dir)) && rmdir "$RUN_DIR" 2>/dev/null
@@ -201,9 +206,9 @@ launch_recipe() {
     local status=0
     export HPCML_STEP_STARTED_AT=$EPOCHREALTIME
     without_run_dir_lock "${command[@]}" || status=$?
-    if ((status == 0)) && [[ -n ${RUN_DIR:-} && -f $RUN_DIR/stopped_by_signal ]]; then
-        if [[ $(<"$RUN_DIR/stopped_by_signal") == SIGUSR1* ]]; then
-            rm -f "$RUN_DIR/stopped_by_signal"
+    if ((status == 0)) && [[ -n ${RUN_DIR:-} && -f $RUN_DIR/$STOP_MARKER ]]; then
+        if [[ $(<"$RUN_DIR/$STOP_MARKER") == SIGUSR1* ]]; then
+            rm -f "$RUN_DIR/$STOP_MARKER"
             requeue_job
         fi
     elif ((status != 0)); then

@@ -37,7 +37,7 @@ without_run_dir_lock() {
 }
 
 # The recipe checkpointed at Slurm's time-limit warning (SIGUSR1, '#SBATCH --signal=USR1@…') and left
-# RUN_DIR/stopped_by_signal: put the job back in the queue. It restarts with the same job id, so the same
+# RUN_DIR/$STOP_MARKER: put the job back in the queue. It restarts with the same job id, so the same
 # RUN_DIR, and resumes from that checkpoint. (On SIGTERM, preemption, Slurm requeues it itself.)
 # Not a job cancelled meanwhile: `scontrol requeue` takes a finished job too, and a `scancel` that came while
 # the ranks checkpointed was undone (the job ran again, up to LAUNCH_MAX_REQUEUES times). The line is printed

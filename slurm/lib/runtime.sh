@@ -108,6 +108,9 @@ build_command() {
             fi
         done
         cmd+=(-w "$PWD")
+        # The recipe's preflight checks every path its ranks will read (--data, --model, --config: after the
+        # TOML file is read) against this list, recipes/harness/mounts.py; the launcher parses no option.
+        cmd+=(-e "HPCML_CONTAINER_MOUNTS=$(IFS=: && echo "${mounted[*]}")")
         # The job's containers carry its id: `podman ps --filter label=io.hpcml.job=ID` on a node, and
         # `podman events` afterwards, find them (the tests count them there).
         cmd+=(--label "io.hpcml.job=${SLURM_JOB_ID:-none}")
