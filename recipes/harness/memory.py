@@ -6,8 +6,8 @@ PyTorch's memory tracker (torch.distributed._tools: FSDPMemTracker for FSDP2, Me
 counts every tensor by what it is. The peak, by kind: parameters, gradients, optimizer state, activations
 (with the temporaries of backward), and FSDP's communication buffers. Launched for real (torchrun, N ranks),
 the same code tracks the real tensors instead: the measured peak the estimate is checked against
-(tests/test_memory.py). A pipeline's stages are estimated one PP rank at a time, by the recipe (fsdp_tp_pp:
-replay_pipeline).
+(tests/test_memory.py). A pipeline's stages are estimated one PP rank at a time, by the recipe (each recipe's
+estimate.py; fsdp_tp_pp: replay_pipeline).
 
 What it leaves out, and why the verdict keeps 10% of the GPU free: the CUDA context and kernels (~0.5-1 GB),
 NCCL's buffers, the caching allocator's fragmentation. On a GPU, `torch.cuda.max_memory_allocated` is the
