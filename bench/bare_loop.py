@@ -74,7 +74,9 @@ def main() -> None:
     if world_size > 1 and args.framework == "fsdp":  # each block sharded, then the rest (FSDP2's minimal form)
         from torch.distributed.fsdp import fully_shard
 
-        for block in getattr(model, "blocks", []):
+        # the GPT's blocks; a Hugging Face model's decoder layers (model.layers in every Llama-like model)
+        blocks = model.blocks if hasattr(model, "blocks") else model.model.model.layers
+        for block in blocks:
             fully_shard(block)
         fully_shard(model)
     elif world_size > 1 and args.framework == "ddp":

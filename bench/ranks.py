@@ -9,7 +9,7 @@
 bench/run.py's overhead figure is measured on one process, where the harness's per-step collectives were
 no-ops; at 2 ranks and more they are not. Here the bare loop (bench/bare_loop.py under torchrun: the
 framework's minimal form, DDP / accelerate / DeepSpeed ZeRO-2 / FSDP2, and its own loss read every step, no other
-collective)
+collective; for Megatron bench/bare_megatron_loop.py: megatron-core's GPT under PyTorch's DDP)
 and the recipe (its defaults: --log-every 10) run on the same model, rows and optimizer, alternated (the bare
 loop first in every other pair), one thread per rank; a 4-rank run on this 2-core machine is oversubscribed,
 which is where a needless synchronisation costs most. The figure: samples/s of the recipe / of the bare loop,
@@ -40,10 +40,14 @@ OVERHEAD_TARGET = 0.97
 # recipe -> (the bare loop's framework options, the recipe's own options for plain data parallelism)
 RECIPES = {"ddp": (("--framework", "ddp"), ()), "accelerate": (("--framework", "accelerate"), ()),
            "deepspeed": (("--framework", "deepspeed", "--zero-stage", "2"), ("--zero-stage", "2")),
-           "fsdp_tp_pp": (("--framework", "fsdp", "--untie-embeddings"), ("--tp", "1"))}
+           "fsdp_tp_pp": (("--framework", "fsdp", "--untie-embeddings"), ("--tp", "1")),
+           # megatron-core's GPT under PyTorch's DDP in the bare loop; the recipe at TP 1, PP 1, one micro-batch
+           # per rank and step, and no clipping (the bare loop does not clip)
+           "megatron_tp_pp": ((), ("--clip-grad", "0"))}
+BARE_LOOPS = {"megatron_tp_pp": "bare_megatron_loop.py"}  # (the others: bare_loop.py)
+MODELS = {"megatron_tp_pp": ("gpt",)}  # (the others: the GPT and a Hugging Face Llama)
 NOT_MEASURED = {
-    "megatron_tp_pp": "a bare loop on megatron-core's DDP and optimizer at N ranks: not written yet "
-                      "(bench/run.py measures it on one process)",
+    "megatron_tp_pp on a Hugging Face model": "the recipe builds megatron-core's own GPT only",
 }
 
 
@@ -72,11 +76,21 @@ def launch(nproc: int, script: Path, options: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *options]
 
 
+def model_options(recipe: str, model: str, quick: bool, hf_dir: Path) -> list[str]:
+    layers, width, heads, seq = (2, 32, 2, 32) if quick else (4, 128, 4, 128)
+    if model == "hf":
+        return ["--model", f"hf:{hf_dir}", "--seq-len", str(seq)]
+    if recipe == "megatron_tp_pp":  # (Megatron-LM's option names)
+        return ["--seq-len", str(seq), "--num-layers", str(layers), "--num-heads", str(heads), "--hidden-size", str(width)]
+    return ["--seq-len", str(seq), "--n-layer", str(layers), "--n-head", str(heads), "--n-embd", str(width)]
+
+
 def recipe_run(recipe: str, work: Path, name: str, nproc: int, model: list[str], batch: int, steps: int) -> dict:
     out = work / name
+    micro_batch = ["--micro-batch", str(batch)] if recipe == "megatron_tp_pp" else []  # (one per rank and step)
     run(timeout=600, cmd=launch(nproc, REPO / "recipes" / recipe / "train.py",
                ["--out-dir", str(out), "--no-resume", "--checkpoint-every", "0", "--tracker", "none", *RECIPES[recipe][1],
-                *model, "--global-batch", str(batch * nproc), "--max-steps", str(steps)]))
+                *model, *micro_batch, "--global-batch", str(batch * nproc), "--max-steps", str(steps)]))
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == nproc, f"{recipe}: a world of {metrics['world_size']}, not {nproc}"
     return {"samples_per_s": steady_samples_per_s(metrics["history"]), "losses": [r["loss"] for r in metrics["history"]],
@@ -86,7 +100,7 @@ def recipe_run(recipe: str, work: Path, name: str, nproc: int, model: list[str],
 def bare_run(recipe: str, work: Path, name: str, nproc: int, model: list[str], batch: int, steps: int) -> dict:
     out = work / f"{name}.json"
     options = [o for o in RECIPES[recipe][0] if o != "--untie-embeddings" or "--model" not in model]  # (GPT only)
-    run(timeout=600, cmd=launch(nproc, REPO / "bench" / "bare_loop.py",
+    run(timeout=600, cmd=launch(nproc, REPO / "bench" / BARE_LOOPS.get(recipe, "bare_loop.py"),
                ["--out", str(out), *options, *model, "--global-batch", str(batch * nproc), "--max-steps", str(steps)]))
     result = json.loads(out.read_text())
     assert result["world_size"] == nproc, f"bare loop: a world of {result['world_size']}, not {nproc}"
@@ -111,7 +125,7 @@ def measure(recipe: str, work: Path, label: str, nproc: int, model: list[str], b
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    layers, width, heads, seq, batch = (2, 32, 2, 32, 4) if args.quick else (4, 128, 4, 128, 8)
+    batch = 4 if args.quick else 8
     import torch
 
     result = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -121,15 +135,14 @@ def main(argv: list[str] | None = None) -> int:
               "target": OVERHEAD_TARGET, "not_measured": NOT_MEASURED, "cells": []}
     with tempfile.TemporaryDirectory(prefix="hpcml-bench-ranks-") as tmp:
         work = Path(tmp)
-        models = {"gpt": ["--seq-len", str(seq), "--n-layer", str(layers), "--n-head", str(heads), "--n-embd", str(width)]}
         if "hf" in args.models:
             result["meta"]["hf_model"] = make_llama(work / "llama", quick=True)  # (2 layers, width 64: short steps)
-            models["hf"] = ["--model", f"hf:{work / 'llama'}", "--seq-len", str(seq)]
         for recipe in args.recipes:
-            for model in args.models:
+            for model in (model for model in args.models if model in MODELS.get(recipe, ("gpt", "hf"))):
+                options = model_options(recipe, model, args.quick, work / "llama")
                 for nproc in args.ranks:
                     print(f"bench: {recipe}, {model}, {nproc} rank(s): recipe vs bare loop ...", flush=True)
-                    cell = measure(recipe, work, f"{recipe}-{model}-{nproc}", nproc, models[model], batch, args.steps,
+                    cell = measure(recipe, work, f"{recipe}-{model}-{nproc}", nproc, options, batch, args.steps,
                                    args.repeats)
                     result["cells"].append({"recipe": recipe, "model": model, **cell})
                     write(args, result)  # (after each cell: a run cut short keeps what it measured)
