@@ -288,10 +288,13 @@ def test_cell(cell, slurm_cluster, matrix_images, request, tmp_path):
     submitted = int(time.time()) - 1  # (podman's events of this job: from here on)
     recipe_args = [*args, *tracked]
     if cell["config"]:  # the data set named in the user's TOML file instead (the preflight reads it, in the image)
-        config = work / "run.toml"
+        config = work / "config" / "run.toml"
+        config.parent.mkdir()
         config.write_text(f'data = "{token_file}"\n')
         at = recipe_args.index("--data")
         recipe_args[at:at + 2] = ["--config", str(config)]
+        if runtime in ("podman", "podman-hpc"):  # (mounted, as the data set is: the check is the recipe's, after --config)
+            env["CONTAINER_MOUNTS"] = f"{env.get('CONTAINER_MOUNTS', '')} {config.parent}".strip()
     code, job = submit_recipe(slurm_cluster, work, recipe, "--wait", "-N", str(cell["nodes"]),
                               "--ntasks-per-node", str(cell["tasks_per_node"]), *options, recipe_args=recipe_args,
                               user=user, **env)
