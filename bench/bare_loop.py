@@ -123,8 +123,12 @@ def main() -> None:
     if rank == 0:
         args.out.write_text(json.dumps({"history": history, "world_size": world_size,
                                         "framework": args.framework if world_size > 1 else None}, indent=1) + "\n")
-    # (no destroy_process_group: a minimal script ends here, and gloo's teardown once hung one 4-rank run of
-    # this benchmark after every rank had written its losses)
+    # (no destroy_process_group, and no interpreter teardown under torchrun: gloo's teardown once hung and once
+    # aborted (SIGABRT) a 4-rank run of this benchmark after every rank had written its losses, which failed
+    # the whole benchmark; the harness ends its ranks the same way, harness/launch.py)
+    if world_size > 1:
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

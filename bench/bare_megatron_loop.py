@@ -99,8 +99,11 @@ def main() -> None:
     if rank == 0:
         args.out.write_text(json.dumps({"history": history, "world_size": world_size,
                                         "framework": "ddp" if world_size > 1 else None}, indent=1) + "\n")
-    if world_size == 1:  # (the in-memory group; under torchrun, no teardown, as bench/bare_loop.py)
+    if world_size == 1:  # (the in-memory group)
         dist.destroy_process_group()
+    else:  # under torchrun, no teardown, as bench/bare_loop.py (gloo's has aborted a finished rank)
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from run import in_turn, make_llama, max_rel_diff, ratio_summary, run, steady_samples_per_s, WARMUP_STEPS  # noqa: E402
 
 OVERHEAD_TARGET = 0.97
+LOSS_TOLERANCE = 1e-5  # the recipe's loss on every step against the bare loop's ranks' mean
 # recipe -> (the bare loop's framework options, the recipe's own options for plain data parallelism)
 RECIPES = {"ddp": (("--framework", "ddp"), ()), "accelerate": (("--framework", "accelerate"), ()),
            "deepspeed": (("--framework", "deepspeed", "--zero-stage", "2"), ("--zero-stage", "2")),
@@ -114,12 +115,16 @@ def measure(recipe: str, work: Path, label: str, nproc: int, model: list[str], b
                      lambda: bare_run(recipe, work, f"{label}-bare-{i}", nproc, model, batch, steps))
              for i in range(repeats)]
     recipes, bares = [p[0] for p in pairs], [p[1] for p in pairs]
+    differ = max(max_rel_diff(r["losses"], b["losses"]) for r, b in pairs)
+    if differ > LOSS_TOLERANCE:  # (a faster loop that trains another model is no comparison)
+        raise SystemExit(f"bench: error: {label}: the recipe's and the bare loop's losses differ by {differ:.2e} "
+                         f"(relative; at most {LOSS_TOLERANCE}): they did not train the same model")
     overhead = ratio_summary([r["samples_per_s"] for r in recipes], [b["samples_per_s"] for b in bares])
     return {**overhead, "ranks": nproc, "meets_target": overhead["ratio"] >= OVERHEAD_TARGET,
             "recipe_samples_per_s": [r["samples_per_s"] for r in recipes],
             "bare_samples_per_s": [b["samples_per_s"] for b in bares],
             "recipe_syncs": recipes[0]["syncs"], "recipe_wrapper": recipes[0]["wrapper"],
-            "loss_max_rel_diff": max(max_rel_diff(r["losses"], b["losses"]) for r, b in pairs)}
+            "loss_max_rel_diff": differ}
 
 
 def main(argv: list[str] | None = None) -> int:
