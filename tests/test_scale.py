@@ -174,7 +174,7 @@ def read(path: Path) -> str:
 
 def test_a_killed_rank_ends_a_16_node_job_promptly_and_is_named(scale_cluster, tmp_path):
     job = submit_recipe(scale_cluster, tmp_path, "ddp", "-N", str(SCALE_NODES), "--ntasks-per-node", "1", "-t", "10",
-                        recipe_args=[*LONG, "--max-steps", "100000"])[1]
+                        recipe_args=[*LONG, "--max-steps", "100000"], LAUNCH_MAX_REQUEUES="0")[1]
     log = tmp_path / f"ddp-{job}.out"
     wait_for(lambda: re.search(r"^\[ddp\] step +10 ", unlabelled(read(log)), re.M), 300, "training to start")
     last = SCALE_NODES - 1
@@ -185,6 +185,9 @@ def test_a_killed_rank_ends_a_16_node_job_promptly_and_is_named(scale_cluster, t
     elapsed = time.monotonic() - killed_at
     assert state == "FAILED", read(log)[-3000:]
     assert f"srun: error: {job_nodes(job)[last]}: task {last}: Killed" in read(log), read(log)[-3000:]
+    # (not requeued: LAUNCH_MAX_REQUEUES=0; the node is named in the run's incident record all the same)
+    incident = json.loads((tmp_path / "run" / "incidents.jsonl").read_text().splitlines()[0])
+    assert (incident["class"], incident["nodes"], incident["ranks"]) == ("node", [job_nodes(job)[last]], [last]), incident
     record(f"killed-rank-{SCALE_NODES}x1", {"nodes": SCALE_NODES, "ranks": SCALE_NODES, "kill_to_job_end_s": elapsed})
 
 

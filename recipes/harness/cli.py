@@ -20,6 +20,7 @@ from typing import Callable
 
 from .contract import CONTAINER_RUNTIME_ENV, EXIT_BAD_INPUT, LOGIN_NODE_CHECK_ENV, NSYS_ENV, PREFLIGHT_RECORD_ENV
 from .data import check_data_option, masked_data, user_dataset
+from . import outcome
 from .errors import ConfigError, stderr_line
 from .image_checks import check_compiler, check_network_plugin
 from .launch import (check_gpus_visible, check_ranks_per_gpu, exit_after_leaving_the_group, exit_on_collective_failure,
@@ -38,16 +39,25 @@ def exit_on_config_error(recipe: str, error: ConfigError) -> None:
 
 def main_entry(recipe: str, main: Callable[[], int]) -> None:
     """Run ``main`` and exit with its code. Bad input (ConfigError) is one line and exit 2; a collective that
-    failed because another rank died or hung is one line naming this rank and exit 4 (launch.py)."""
+    failed because another rank died or hung is one line naming this rank and exit 4 (launch.py). How it ended
+    is recorded for the launcher (outcome.py), which restarts a job only for a node's failure."""
+    outcome.started()
     try:
         code = main()
     except ConfigError as error:
+        outcome.ended("bad-input", str(error))
         exit_on_config_error(recipe, error)
-    except Exception as error:
-        rank = failed_collective_rank(error)
+    except SystemExit as stop:
+        outcome.ended("done" if stop.code in (None, 0) else "program", f"exit {stop.code}")
+        raise
+    except BaseException as error:
+        rank = failed_collective_rank(error) if isinstance(error, Exception) else None
         if rank is None:
+            outcome.ended(outcome.exception_outcome(error), f"{type(error).__name__}: {error}")
             raise
+        outcome.ended("collective", str(error))
         exit_on_collective_failure(recipe, error, rank)
+    outcome.ended("done" if code == 0 else "program", f"exit {code}")
     exit_after_leaving_the_group(code)  # (a multi-rank run that left its process group: exits here)
     sys.exit(code)
 

@@ -18,3 +18,4 @@ CONTAINER_MOUNTS_ENV = "HPCML_CONTAINER_MOUNTS"  # podman, podman-hpc: the mount
 LOGIN_NODE_CHECK_ENV = "HPCML_LOGIN_NODE_CHECK"  # 1: slurm/preflight.sh on a login node (no GPU there to see)
 NSYS_ENV = "HPCML_NSYS"  # 1: each rank under Nsight Systems, which needs the recipe's --profile
 PREFLIGHT_RECORD_ENV = "HPCML_PREFLIGHT_RECORD"  # where --preflight writes its answer as JSON (RUN_DIR/preflight.json)
+RANK_OUTCOMES_ENV = "HPCML_RANK_OUTCOMES"  # the directory where each rank writes how it ended (harness/outcome.py)

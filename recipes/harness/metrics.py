@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import faults
+from . import faults, outcome
 from .checkpoint import atomic_write_bytes
 from .errors import ConfigError
 from .launch import startup_times
@@ -277,7 +277,9 @@ class MetricsLogger:
         ``checkpointed`` (the checkpoint just published; None: every step). Called at every checkpoint."""
         if not self.is_logging_rank:
             return
-        document = {"recipe": self.recipe, **self.run_info, **(extra or {}), "summary": self.summary(), "history": self.history}
+        incidents = outcome.incidents_summary(self.path.parent)  # (failed steps before this run: the launcher's)
+        document = {"recipe": self.recipe, **self.run_info, **(extra or {}), "summary": self.summary(),
+                    **({"incidents": incidents} if incidents else {}), "history": self.history}
         atomic_write_bytes(self.path, (json.dumps(document, indent=2, default=str) + "\n").encode())
         if self._writer is not None:
             self._writer.flush()

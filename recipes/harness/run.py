@@ -34,7 +34,7 @@ import signal
 import time
 from typing import Callable, Iterable, Iterator
 
-from . import faults
+from . import faults, outcome
 from .checkpoint import checkpoint_due
 from .errors import stderr_line
 from .profiling import StepProfiler, peak_memory, profile_steps
@@ -81,6 +81,7 @@ class TrainingRun:
                 if first_step and step == self.start_step + 2:
                     first_step, _ = None, first_step.__exit__(None, None, None)
                 self._step_started = time.perf_counter()
+                outcome.note_step(step)
                 if self._period_started is None:  # the first step of this process
                     self._period_started = self._window_started = self._step_started
                     self._wall[0] = time.time()
@@ -113,6 +114,9 @@ class TrainingRun:
         """After ``step``: the sync if its window ends here; a checkpoint if --checkpoint-every says so;
         True if the run stops here (--stop-at-step, or a stop signal agreed at the sync)."""
         self.last_step = step
+        # (a negative control: the same error on every rank, as a bug in the program would raise)
+        if step == 5 and (faults.active("program-error") or faults.active("program-error-as-node")):
+            raise ValueError(f"a deterministic error in the program after step 5 ({faults.FAULT_ENV}={faults.requested()})")
         if self.profiler:
             self.profiler.step_ends(step)
         if self._sync_due(step):

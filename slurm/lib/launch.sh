@@ -51,7 +51,10 @@
 #   LAUNCH_DRY_RUN=1   print the srun command instead of running it (no checks that need the runtime)
 #   LAUNCH_PREFLIGHT=0 skip the recipe's own check (python RECIPE --preflight WORLD_SIZE) before srun
 #   LAUNCH_PREFLIGHT_ONLY=1  run every check, then stop before srun (slurm/preflight.sh sets it)
-#   LAUNCH_MAX_REQUEUES      how often a job may requeue itself at the time-limit warning (default 10)
+#   LAUNCH_MAX_REQUEUES      how often a job may requeue itself, at the time-limit warning or without a node
+#                      that failed (default 10)
+#   HPCML_SPARE_NODES  nodes kept aside to replace a node that fails, in the job (default 0; healing.sh)
+#   LAUNCH_MAX_NODE_RESTARTS  in-job restarts on spare nodes at most (default 3)
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING  default 1: a failed NCCL collective aborts the rank instead of hanging
 #   TORCH_FR_BUFFER_SIZE  PyTorch's Flight Recorder: collectives each rank remembers (default 2000; 0: off).
 #                      A hang leaves RUN_DIR/flight_recorder/rank_<R> (docs: how to read them)
@@ -67,7 +70,8 @@
 #
 # The pieces, by concern (each sourced here): runtime.sh (the runtime and the srun step), image.sh (which
 # image), network.sh (rendezvous host, NCCL/Slingshot settings), checks.sh (the launcher's checks),
-# run_dir.sh (the run directory's lock, the requeue). What Python knows better stays in the recipes' harness
+# run_dir.sh (the run directory's lock, the requeue), healing.sh (a node that fails: spare nodes, the requeue
+# without it, RUN_DIR/incidents.jsonl). What Python knows better stays in the recipes' harness
 # (recipes/harness/launch.py): ranks per node (--tp node), GPUs per rank, the token files and models.
 
 LAUNCH_LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -83,11 +87,16 @@ source "$LAUNCH_LIB/network.sh"
 source "$LAUNCH_LIB/checks.sh"
 # shellcheck source=slurm/lib/run_dir.sh
 source "$LAUNCH_LIB/run_dir.sh"
+# shellcheck source=slurm/lib/healing.sh
+source "$LAUNCH_LIB/healing.sh"
 
 launch_error() {
     echo "launch: error: $*" >&2
     exit "$EXIT_BAD_INPUT"
 }
+
+# With HPCML_SPARE_NODES, Slurm's variables describe the nodes that train from here on (healing.sh).
+reserve_spare_nodes
 
 # The recipe checks its own options for this world size (and the checkpoint it would resume), in the
 # runtime, on the batch node: seconds, instead of every rank failing after start-up.
@@ -149,6 +158,7 @@ launch_recipe() {
         fi
     fi
 
+    [[ -z ${MASTER_ADDR:-} ]] || MASTER_ADDR_GIVEN=1
     MASTER_ADDR=${MASTER_ADDR:-$(first_node)}
     [[ -n $MASTER_ADDR ]] || launch_error "cannot tell the first node of the job (SLURM_JOB_NODELIST is empty): set MASTER_ADDR"
     MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 10000))}
@@ -170,7 +180,7 @@ launch_recipe() {
     build_step command "$runtime" "$image" "$recipe" "$@"
 
     # What ran, at the top of every job log (a requeued job appends to the same log).
-    echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)"
+    echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${HPCML_JOB_NODES:-${SLURM_JOB_NUM_NODES:-?}} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)${HPCML_JOB_NODES:+ on $SLURM_JOB_NUM_NODES of them (HPCML_SPARE_NODES=$SPARE_NODES)}"
     echo "launch: runtime=$runtime image=$(describe_image "$image") master=$MASTER_ADDR:$MASTER_PORT commit=$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_NET_PLUGIN=$NCCL_NET_PLUGIN (module ${HPCML_NCCL_MODULE_LOADED:-none})" \
         "NCCL_DEBUG=$NCCL_DEBUG HPCML_SLINGSHOT=${HPCML_SLINGSHOT:-(the site values)}" \
@@ -204,8 +214,7 @@ launch_recipe() {
     [[ -z ${TORCH_FR_DUMP_TEMP_FILE:-} ]] || mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"
     [[ ${HPCML_NSYS:-0} != 1 ]] || mkdir -p "$RUN_DIR/nsys"
     local status=0
-    export HPCML_STEP_STARTED_AT=$EPOCHREALTIME
-    without_run_dir_lock "${command[@]}" || status=$?
+    run_training_step command || status=$?
     if ((status == 0)) && [[ -n ${RUN_DIR:-} && -f $RUN_DIR/$STOP_MARKER ]]; then
         if [[ $(<"$RUN_DIR/$STOP_MARKER") == SIGUSR1* ]]; then
             rm -f "$RUN_DIR/$STOP_MARKER"
