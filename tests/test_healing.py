@@ -4,6 +4,8 @@
   on the spare, from the last checkpoint, and its losses equal an uninterrupted run's;
 - a deterministic error in the program (every rank, after step 5): the job ends with its line, no restart;
   its negative control (the launcher's classification off) restarts it on the spare, and the test catches that.
+- a node that fails its check before the ranks start is never used;
+- the first case again under the Shifter and podman-hpc stand-ins, as a normal user (full tier).
 (Without a spare, the job requeued without the failed node: tests/test_reliability.py.)
 """
 
@@ -17,7 +19,8 @@ import time
 
 import pytest
 
-from support.cluster import final_state, job_nodes, rank_pid, sbatch_recipe, submit_recipe, unlabelled, wait_for
+from support.cluster import (final_state, job_nodes, rank_pid, sbatch_recipe, shifter_pull, submit_recipe, unlabelled,
+                             wait_for)
 from support.curves import losses, read_metrics
 from support.runs import assert_ok, run_torchrun, TINY
 
@@ -37,18 +40,18 @@ def incidents(run_dir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_a_killed_rank_goes_on_on_a_spare_node_in_the_same_job_and_curve(slurm_cluster, tmp_path):
+def kill_and_go_on_on_a_spare(cluster: dict, tmp_path, user=None, **env: str) -> None:
+    """sbatch slurm/ddp.sh on 3 nodes with one spare, rank 1's process killed after step 15: the checks below."""
     reference = tmp_path / "reference"
     assert_ok(run_torchrun(reference, 2, *RUN))
-
-    _, job = submit_recipe(slurm_cluster, tmp_path, "ddp", "-N", "3", "--ntasks-per-node", "1", recipe_args=RUN,
-                           HPCML_SPARE_NODES="1")
-    wait_for(lambda: re.search(r"^\[ddp\] step +15 ", log_of(tmp_path, job), re.M), 120, "step 15")
+    _, job = submit_recipe(cluster, tmp_path, "ddp", "-N", "3", "--ntasks-per-node", "1", recipe_args=RUN, user=user,
+                           HPCML_SPARE_NODES="1", **env)
+    wait_for(lambda: re.search(r"^\[ddp\] step +15 ", log_of(tmp_path, job), re.M), 180, "step 15")
     pid = wait_for(lambda: rank_pid(tmp_path / "run", 1), 30, "rank 1's process")
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     # The time from the kill to the first step on the spare: the job's own recovery, as a user waits for it.
-    resumed = wait_for(lambda: re.search(r"^\[ddp\] resumed from \S+ \(step (\d+)\)", log_of(tmp_path, job), re.M), 90,
+    resumed = wait_for(lambda: re.search(r"^\[ddp\] resumed from \S+ \(step (\d+)\)", log_of(tmp_path, job), re.M), 120,
                        "the run to resume on the spare")
     next_step = int(resumed.group(1)) + 1
     wait_for(lambda: re.search(rf"\[ddp\] resumed from .*^\[ddp\] step +{next_step} ", log_of(tmp_path, job), re.M | re.S),
@@ -62,6 +65,8 @@ def test_a_killed_rank_goes_on_on_a_spare_node_in_the_same_job_and_curve(slurm_c
     nodes = job_nodes(job)
     assert len(nodes) == 3 and "(restart 1)" not in log, log
     failed, spare = nodes[1], nodes[2]
+    checks = [i for i in incidents(tmp_path / "run") if i["attempt"] == 0 and i["exit_code"] is None]
+    assert checks == [], checks  # (every node passed its check before the ranks started)
     [incident] = incidents(tmp_path / "run")
     assert (incident["class"], incident["nodes"], incident["ranks"], incident["attempt"]) == ("node", [failed], [1], 0), incident
     assert incident["action"] == f"restarted in the job without {failed}, on {nodes[0]} {spare}"
@@ -76,6 +81,26 @@ def test_a_killed_rank_goes_on_on_a_spare_node_in_the_same_job_and_curve(slurm_c
     assert [r["step"] for r in metrics["history"]] == list(range(1, 301))
     expected = losses(read_metrics(reference))
     assert max(abs(a - b) for a, b in zip(losses(metrics), expected, strict=True)) <= LOSS_TOLERANCE
+
+
+def test_a_killed_rank_goes_on_on_a_spare_node_in_the_same_job_and_curve(slurm_cluster, tmp_path):
+    kill_and_go_on_on_a_spare(slurm_cluster, tmp_path)
+
+
+@pytest.mark.full
+@pytest.mark.containers
+@pytest.mark.parametrize("runtime", ["shifter", "podman-hpc"])
+def test_in_a_container_as_a_normal_user_a_killed_rank_goes_on_on_a_spare(slurm_cluster, ddp_image, request, tmp_path,
+                                                                         runtime):
+    """The same, under the Shifter and podman-hpc stand-ins, as the cluster's normal user (full tier: the bare
+    case above is the same launcher path; these add the runtimes' start and end of a rank's container)."""
+    if runtime == "shifter":
+        shifter_pull("ddp")
+        user = request.getfixturevalue("cluster_user")
+    else:
+        user = request.getfixturevalue("squashed_images")("ddp")
+    work = user.work_dir(tmp_path)
+    kill_and_go_on_on_a_spare(slurm_cluster, work, user=user, CONTAINER_RUNTIME=runtime, CONTAINER_IMAGE="hpcml/ddp:cpu")
 
 
 @pytest.mark.parametrize("fault, restarted", [("program-error", False), ("program-error-as-node", True)],
@@ -97,3 +122,36 @@ def test_a_programs_error_ends_the_job_without_a_restart(slurm_cluster, tmp_path
                                             "(HPCML_TEST_FAULT=program-error)"), records
     else:  # the check catches the wrong decision
         assert "launch: attempt 2 on" in log and records[0]["action"].startswith("restarted in the job"), records
+
+
+def test_a_node_that_fails_its_check_is_never_used(slurm_cluster, tmp_path):
+    """With a spare, every node checks itself before the ranks start (slurm/lib/vet_node.py); the job's first
+    node fails (the tests' probe, HPCML_TEST_BAD_NODE=@0): the ranks train on the other two, rank 0 and the
+    rendezvous included, and the incident names it."""
+    code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "ddp", "-N", "3", "--ntasks-per-node", "1",
+                                     recipe_args=[*RUN, "--max-steps", "4"], HPCML_SPARE_NODES="1",
+                                     HPCML_TEST_BAD_NODE="@0")
+    assert (code, state) == (0, "COMPLETED"), log
+    nodes = job_nodes(job_id := re.search(r"^launch: job (\d+) ", log, re.M).group(1))
+    log = unlabelled(log)
+    checked = rf"^launch: checked 3 node\(s\) in \S+ s \(slurm/lib/vet_node.py\): 1 failed: {nodes[0]} the tests' probe"
+    assert re.search(checked, log, re.M), log
+    assert f"launch: training on {nodes[1]} {nodes[2]} (master {nodes[1]})" in log, log
+    assert re.search(rf"world_size=2 .* master={nodes[1]}:\d+ hosts={nodes[1]},{nodes[2]}$", log, re.M), log
+    [incident] = incidents(tmp_path / "run")
+    assert (incident["class"], incident["nodes"], incident["action"], incident["job"]) == \
+        ("node", [nodes[0]], "left out before the ranks started", job_id), incident
+
+
+def test_a_slow_rank_is_named_with_its_node(slurm_cluster, tmp_path):
+    """HPCML_TEST_FAULT=slow-rank: rank 1's forward pass 30 ms slower in every step. The ranks compare their
+    forward times at each sync; rank 1 is named, with the node Slurm ran it on, in the log and metrics.json.
+    (Without the fault: the false-positive rate measured in bench/stragglers.json.)"""
+    code, state, log = sbatch_recipe(slurm_cluster, tmp_path, "ddp", "-N", "2", "--ntasks-per-node", "1",
+                                     recipe_args=[*RUN, "--max-steps", "40", "--log-every", "5"], HPCML_TEST_FAULT="slow-rank")
+    assert (code, state) == (0, "COMPLETED"), log
+    node = job_nodes(re.search(r"^launch: job (\d+) ", log, re.M).group(1))[1]
+    named = rf"^\[ddp\] warning: rank 1 on {node} is a straggler: its forward pass took [\d.]+ ms per step"
+    assert re.search(named, unlabelled(log), re.M), log
+    [found] = read_metrics(tmp_path / "run")["stragglers"]
+    assert (found["rank"], found["host"]) == (1, node) and found["forward_s_per_step"] > 0.03, found

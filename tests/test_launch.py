@@ -619,3 +619,34 @@ def test_nsight_systems_wraps_each_rank_for_the_profiled_steps(tmp_path):
     assert preflight_in_container("none", [], "--config", str(config), HPCML_NSYS="1").returncode == 0
     plain = srun_line(launch("--profile", "3:4", CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", RUN_DIR=str(run_dir)))
     assert "nsys" not in plain
+
+
+def test_spare_nodes_leave_the_job_shape_of_the_nodes_that_train():
+    """HPCML_SPARE_NODES=1 on a 2-node job of 8 ranks: the batch script's Slurm variables describe 1 node, 4 ranks
+    (what the ranks and the sbatch files' layouts see, Megatron's --pp "$SLURM_JOB_NUM_NODES" among them)."""
+    script = (f'set -euo pipefail; source "{REPO}/slurm/lib/launch.sh"; '
+              f'source "{REPO}/slurm/lib/launch.sh"; '  # (sourced twice, as slurm/preflight.sh may: the same shape)
+              'echo "$SLURM_JOB_NUM_NODES $SLURM_NNODES $SLURM_NTASKS $SLURM_TASKS_PER_NODE $HPCML_JOB_NODES"')
+    result = run(["bash", "-c", script], env=recipe_env(**{**JOB, "HPCML_SPARE_NODES": "1"}), timeout=60, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.split() == ["1", "1", "4", "4(x1)", "1234:2"], result.stdout + result.stderr
+    dry = launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", HPCML_SPARE_NODES="1")
+    assert dry.returncode == 0 and "on 2 node(s) [nid[000003-000004]], 4 task(s) on 1 of them (HPCML_SPARE_NODES=1)" in dry.stdout
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"HPCML_SPARE_NODES": "two"}, "launch: error: HPCML_SPARE_NODES=two: give a number of nodes (0: none)"),
+    ({"HPCML_SPARE_NODES": "2"}, "launch: error: HPCML_SPARE_NODES=2 leaves none of the job's 2 node(s) to train on: "
+                                 "ask for more (sbatch -N 4)"),
+    ({"HPCML_SPARE_NODES": "1", "SLURM_NTASKS": "3"}, "launch: error: HPCML_SPARE_NODES: 3 tasks on 2 nodes: a spare "
+                                                      "replaces a node with as many ranks; use --ntasks-per-node"),
+    ({"LAUNCH_MAX_NODE_RESTARTS": "-1"}, "launch: error: LAUNCH_MAX_NODE_RESTARTS=-1: give a number of restarts (0: none)"),
+], ids=["not-a-number", "none-left", "uneven", "restarts"])
+def test_bad_spare_node_settings_are_one_line(env, message):
+    result = launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", **env)
+    assert result.returncode == 2 and result.stderr.strip() == message, result.stderr
+
+
+def test_spare_nodes_are_refused_where_the_framework_starts_each_nodes_ranks():
+    result = sbatch_file("accelerate", CONTAINER_RUNTIME="none", HPCML_SPARE_NODES="1")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().startswith("launch: error: HPCML_SPARE_NODES: not yet for recipes whose framework starts")

@@ -79,6 +79,9 @@ def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout:
                    help="checkpoint and exit after this step, as if the allocation ended; rerun to continue")
     g.add_argument("--log-every", type=int, default=10,
                    help="steps between loss lines; the ranks average their losses (one all-reduce) this often")
+    g.add_argument("--straggler-factor", type=float, default=STRAGGLER_FACTOR, metavar="F",
+                   help="name a rank whose forward pass is F times the ranks' median or slower, 3 syncs in a row "
+                        "(log and metrics.json; 0: off)")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="TensorBoard event files (rank 0; default OUT_DIR/tensorboard; 'off': none)")
     g.add_argument("--tracker", default="tensorboard", metavar="LIST",
@@ -99,6 +102,12 @@ def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout:
                    help="only check the options (and a checkpoint to resume) for this many ranks, then exit")
 
 
+# --straggler-factor's default: above the largest ratio of one rank's forward time to the other ranks' median
+# that a run without a fault kept for 3 syncs in a row on this project's 2-core test machine, with a margin: 1.97
+# at 2 ranks and 1.80 at 4 ranks in bench/stragglers.json's 20 runs (some beside other tests; 1.5 would have named
+# a rank in 5 of them), 1.49 and 1.88 in 20 runs before; a rank slowed by the tests' fault kept 15-32. A quieter
+# cluster can go lower: measure it there (bench/stragglers.py).
+STRAGGLER_FACTOR = 2.5
 OPTIMIZERS = ("adamw", "sgd")
 
 

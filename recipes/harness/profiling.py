@@ -6,6 +6,7 @@
   Systems (cudaProfilerStart/Stop: slurm/lib/runtime.sh's HPCML_NSYS=1 wraps each rank in `nsys profile`).
 - ``phase(name)``: a named range around part of a step ("forward", "backward", "optimizer"), seen in the
   trace and, on a GPU, as an NVTX range in Nsight Systems. Costs nothing measurable when nothing records.
+  The forward pass is also timed (``phase_seconds``): the straggler check compares the ranks' times.
 - ``peak_memory()``: this process's peak resident memory (CPU) and, on a GPU, PyTorch's peak allocated and
   reserved memory, for metrics.json.
 - ``HostMemory``: a rank's host memory by phase of the run (loading the model, its first step, the export), as
@@ -19,8 +20,10 @@ import os
 import resource
 import sys
 import threading
+import time
 from pathlib import Path
 
+from . import faults
 from .errors import ConfigError
 
 
@@ -44,20 +47,57 @@ def _cuda():
     return torch.cuda if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
+# The phases whose time each rank keeps for the straggler check (harness/run.py): the forward pass is the rank's
+# own work in every recipe (no collective waits inside it for DDP's, DeepSpeed's or accelerate's), so a rank
+# slower than the others there is slow itself, not waiting for them.
+TIMED_PHASES = ("forward",)
+_timed: dict[str, list] = {name: [] for name in TIMED_PHASES}  # seconds, or (start, end) CUDA events on a GPU
+
+
 @contextlib.contextmanager
 def phase(name: str):
-    """A named range of the step: a record_function for torch.profiler, and an NVTX range on a GPU."""
+    """A named range of the step: a record_function for torch.profiler, and an NVTX range on a GPU; the
+    TIMED_PHASES also timed (CUDA events on a GPU: no synchronisation here), read by ``phase_seconds``."""
     import torch
 
     cuda = _cuda()
+    timed = _timed.get(name)
     if cuda is not None:
         cuda.nvtx.range_push(name)
+    if timed is not None:
+        started = cuda.Event(enable_timing=True) if cuda is not None else time.perf_counter()
+        if cuda is not None:
+            started.record()
     try:
         with torch.profiler.record_function(name):
+            if timed is not None and faults.active("slow-rank") and os.environ.get("RANK", os.environ.get("SLURM_PROCID")) == "1":
+                time.sleep(SLOW_RANK_S)
             yield
     finally:
         if cuda is not None:
             cuda.nvtx.range_pop()
+        if timed is not None:
+            if cuda is not None:
+                ended = cuda.Event(enable_timing=True)
+                ended.record()
+                timed.append((started, ended))
+            else:
+                timed.append(time.perf_counter() - started)
+
+
+SLOW_RANK_S = 0.03  # the slow-rank fault's delay in each forward pass (rank 1): a few times a tiny model's forward
+
+
+def phase_seconds(name: str) -> float:
+    """The time spent in the phase ``name`` since the last call (on a GPU: waits for its last range to end)."""
+    timed = _timed[name]
+    if timed and isinstance(timed[-1], tuple):
+        timed[-1][1].synchronize()
+        total = sum(start.elapsed_time(end) for start, end in timed) / 1000
+    else:
+        total = sum(timed)
+    timed.clear()
+    return total
 
 
 class StepProfiler:

@@ -31,10 +31,11 @@ from __future__ import annotations
 import argparse
 import math
 import signal
+import statistics
 import time
 from typing import Callable, Iterable, Iterator
 
-from . import faults, outcome
+from . import faults, outcome, profiling
 from .checkpoint import checkpoint_due
 from .errors import stderr_line
 from .profiling import StepProfiler, peak_memory, profile_steps
@@ -67,6 +68,9 @@ class TrainingRun:
         self._last_window = (0.0, 0)  # (seconds, steps) of the window before, measured after its sync
         self._period_started = self._window_started = None  # (perf_counter) the end of the step before
         self._wall = [None, None]  # (time.time) the first step's start, the last step's end: steps_wall_s
+        self.world_size = getattr(metrics, "world_size", 1) or 1
+        self.stragglers = Stragglers(getattr(args, "straggler_factor", 0.0), self.world_size, rank,
+                                     getattr(metrics, "run_info", {}).get("hostnames"), recipe)
 
     def steps(self, batches: Iterable | None = None) -> Iterator:
         """The steps still to run (after a resume: from the checkpoint's next step), each one timed; with
@@ -148,7 +152,9 @@ class TrainingRun:
         losses = self.metrics.local_losses()
         window_s, window_steps = self._last_window
         received = [1.0 if self.stop.received == signum else 0.0 for signum in STOP_SIGNALS]
-        averaged = self._average([*losses, window_s / max(1, window_steps), *received])
+        own_times = self.stragglers.own_times(len(self._periods) + 1)  # (the window's steps: this one too)
+        averaged = self._average([*losses, window_s / max(1, window_steps), *received, *own_times])
+        self.stragglers.check(averaged[len(averaged) - len(own_times):], self.last_step)
         self.syncs += 1
         now = self._step_ended()  # (after the collective: on a GPU the window's kernels have finished)
         self.metrics.flush(averaged[:len(losses)], self._periods)
@@ -157,7 +163,7 @@ class TrainingRun:
         self._periods, self._window_started = [], now
         step_s = averaged[len(losses)]
         self._window_steps = max(1, min(self.args.log_every, int(SYNC_WITHIN_S / step_s))) if step_s > 0 else 1
-        agreed = averaged[len(losses) + 1:]
+        agreed = averaged[len(losses) + 1:len(losses) + 1 + len(STOP_SIGNALS)]
         self.stopped_by = max((int(signum) for signum, share in zip(STOP_SIGNALS, agreed) if share > 0), default=0)
 
     def save_last(self, save: Callable[[int], None]) -> None:
@@ -187,7 +193,9 @@ class TrainingRun:
                        "data_wait_s": self.data_seconds, "step_time_s": self.step_seconds,
                        "steps_wall_s": last - first if first and last else None, "syncs": self.syncs,
                        "data_wait_share": self.data_seconds / self.step_seconds if self.step_seconds else None,
-                       "profile_trace": str(trace) if trace else None, **(extra or {})})
+                       "profile_trace": str(trace) if trace else None, "stragglers": self.stragglers.found,
+                       "straggler_worst_ratio": self.stragglers.worst_ratio if self.stragglers.on else None,
+                       **(extra or {})})
         metrics.close()
         if metrics.is_logging_rank:
             s, peak = metrics.summary(), metrics.peak_flops_per_device
@@ -207,6 +215,62 @@ class TrainingRun:
             print(f"[{self.recipe}] stopped by {signame} after step {self.last_step}: checkpoint written; "
                   "run again with the same --out-dir to continue (slurm/ files requeue the job themselves)", flush=True)
         return 0
+
+
+class Stragglers:
+    """A rank persistently slower than the others, named with its node (--straggler-factor F).
+
+    At each sync every rank adds its forward pass's time per step in the window (profiling.phase_seconds: its
+    own work, no collective inside) to the one all-reduce the sync makes anyway: a vector of world-size numbers,
+    each rank its own slot. A rank whose time is above F times the other ranks' median, and STRAGGLER_MIN_S more, in
+    STRAGGLER_WINDOWS windows in a row is named once, in the log and in metrics.json's stragglers. Every rank
+    sees the same numbers and decides the same; rank 0 says it. F <= 0 or one rank: nothing added."""
+
+    def __init__(self, factor: float, world_size: int, rank: int, hostnames: list[str] | None, recipe: str):
+        self.factor, self.world_size, self.rank, self.recipe = factor, world_size, rank, recipe
+        self.hostnames = hostnames or []
+        self.on = factor > 0 and world_size > 1
+        self._slow_windows = [0] * world_size
+        self._ratios: list[list[float]] = [[] for _ in range(world_size)]
+        self.worst_ratio = 0.0  # the largest ratio to the others' median a rank kept STRAGGLER_WINDOWS syncs in a row
+        self.found: list[dict] = []
+
+    def own_times(self, steps: int) -> list[float]:
+        """This rank's slot (its forward seconds per step, scaled so that the average is the value), zeros
+        elsewhere; nothing when the check is off."""
+        if not self.on:
+            return []
+        slots = [0.0] * self.world_size
+        slots[self.rank] = profiling.phase_seconds("forward") / max(1, steps) * self.world_size
+        return slots
+
+    def check(self, times: list[float], step: int) -> None:
+        if not self.on or not any(times):
+            return
+        named = {entry["rank"] for entry in self.found}
+        for rank, seconds in enumerate(times):
+            median = statistics.median(times[:rank] + times[rank + 1:])  # (the others': with 2 ranks, the other)
+            ratio = seconds / median if median > 0 else 0.0
+            recent = self._ratios[rank] = [*self._ratios[rank], ratio][-STRAGGLER_WINDOWS:]
+            if len(recent) == STRAGGLER_WINDOWS:  # the closest any rank came to being named (metrics.json)
+                self.worst_ratio = max(self.worst_ratio, min(recent))
+            slow = ratio > self.factor and seconds - median > STRAGGLER_MIN_S
+            self._slow_windows[rank] = self._slow_windows[rank] + 1 if slow else 0
+            if self._slow_windows[rank] == STRAGGLER_WINDOWS and rank not in named:
+                host = self.hostnames[rank] if rank < len(self.hostnames) else "?"
+                self.found.append({"rank": rank, "host": host, "step": step, "forward_s_per_step": seconds,
+                                   "median_s_per_step": median})
+                if self.rank == 0:
+                    stderr_line(f"[{self.recipe}] warning: rank {rank} on {host} is a straggler: its forward pass took "
+                                f"{1000 * seconds:.1f} ms per step against the other ranks' median {1000 * median:.1f} ms "
+                                f"in {STRAGGLER_WINDOWS} syncs in a row (up to step {step}; --straggler-factor "
+                                f"{self.factor:g}); metrics.json: stragglers")
+
+
+# A straggler is slow in this many syncs in a row, and by this much per step at least (a tiny model's steps
+# differ by fractions of a millisecond from scheduling alone).
+STRAGGLER_WINDOWS = 3
+STRAGGLER_MIN_S = 0.002
 
 
 def learning_rate(args: argparse.Namespace, step: int) -> float:

@@ -10,6 +10,10 @@
 #                        failed nodes in its excluded node list (scontrol show job: ExcNodeList), so Slurm never
 #                        gives it those nodes again.
 #
+#   HPCML_VET_NODES=1    check every node in the image before the ranks start (slurm/lib/vet_node.py: GPUs,
+#                        network plugin and devices, memory, the run directory); a node that fails is left out
+#                        as if it had failed in training. Default 1 with spare nodes, else 0.
+#
 # Which failures are a node's: each rank writes how it ended (recipes/harness/outcome.py) into
 # RUN_DIR/.hpcml/outcomes/<attempt>/rank_<R>. A rank that recorded an exception or a bad option (the same bug
 # would fail the same way on any node: a Python error, a NaN, an out-of-memory error) makes the failure the
@@ -29,8 +33,8 @@ reserve_spare_nodes() {
     [[ ${LAUNCH_MAX_NODE_RESTARTS:-3} =~ ^[0-9]+$ ]] ||
         launch_error "LAUNCH_MAX_NODE_RESTARTS=$LAUNCH_MAX_NODE_RESTARTS: give a number of restarts (0: none)"
     ((SPARE_NODES > 0)) || return 0
-    [[ -z ${RECIPE_LAUNCHER:-} ]] || launch_error "HPCML_SPARE_NODES: not yet for recipes whose framework starts" \
-        "each node's ranks (RECIPE_LAUNCHER, here: $(basename "$0")): unset it"
+    # (once per batch script: sourced again, launch.sh finds the training shape already in place)
+    [[ ${HPCML_JOB_NODES:-} != "${SLURM_JOB_ID:-}:"* ]] || { TRAIN_NODES=$SLURM_JOB_NUM_NODES && return 0; }
     local nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
     local tasks=${SLURM_NTASKS:-$nodes}
     ((SPARE_NODES < nodes)) || launch_error "HPCML_SPARE_NODES=$SPARE_NODES leaves none of the job's $nodes" \
@@ -39,10 +43,39 @@ reserve_spare_nodes() {
         "a node with as many ranks; use --ntasks-per-node"
     TRAIN_NODES=$((nodes - SPARE_NODES))
     local per_node=$((tasks / nodes))
-    export HPCML_JOB_NODES=$nodes
+    export HPCML_JOB_NODES=${SLURM_JOB_ID:-}:$nodes
     export SLURM_JOB_NUM_NODES=$TRAIN_NODES SLURM_NNODES=$TRAIN_NODES
     export SLURM_NTASKS=$((TRAIN_NODES * per_node)) SLURM_NPROCS=$((TRAIN_NODES * per_node))
     export SLURM_TASKS_PER_NODE="$per_node(x$TRAIN_NODES)"
+}
+
+# Each of the given nodes checks itself (vet_node.py, one task per node, in the runtime): VET_FAILED holds
+# "node reason" for each that failed or did not answer within 120 s. $1 runtime, $2 image, the rest: the nodes.
+vet_nodes() {
+    local runtime=$1 image=$2 answers=$RUN_DIR/.hpcml/vet node started=$EPOCHREALTIME
+    shift 2
+    local -a nodes=("$@") vet=()
+    rm -rf "$answers" && mkdir -p "$answers"
+    build_command vet "$runtime" "$image" "$REPO_DIR/slurm/lib/vet_node.py" "$answers"
+    VET_FAILED=()
+    timeout 120 srun --kill-on-bad-exit=0 -N "${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 \
+        --nodelist="$(IFS=, && echo "${nodes[*]}")" "${vet[@]}" >/dev/null 2>&1 || true
+    for node in "${nodes[@]}"; do
+        if [[ ! -s $answers/$node ]]; then
+            VET_FAILED+=("$node no answer from its check within 120 s")
+        elif [[ $(<"$answers/$node") != ok* ]]; then
+            VET_FAILED+=("$node $(sed 's/^failed //' "$answers/$node")")
+        fi
+    done
+    echo "launch: checked ${#nodes[@]} node(s) in $(awk -v a="$started" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }') s" \
+        "(slurm/lib/vet_node.py): ${#VET_FAILED[@]} failed${VET_FAILED[*]:+: ${VET_FAILED[*]}}"
+}
+
+# Spare nodes need the ranks to be srun's tasks. (Checked by launch_recipe, not when launch.sh is sourced: an
+# sbatch file sets RECIPE_LAUNCHER after that.)
+check_spare_nodes() {
+    ((SPARE_NODES == 0)) || [[ -z ${RECIPE_LAUNCHER:-} ]] || launch_error "HPCML_SPARE_NODES: not yet for recipes" \
+        "whose framework starts each node's ranks (RECIPE_LAUNCHER, here: $(basename "$0")): unset it"
 }
 
 # STEP_NODES: the first TRAIN_NODES of the job's nodes that have not failed in it; false when too few are left.
@@ -61,6 +94,7 @@ choose_step_nodes() {
 classify_failure() {
     local dir=$1 file rank first last outcome host step detail
     local -a program=() hardware=() silent=() hosts=()
+    local collectives=0
     FAILURE_CLASS=unknown FAILURE_NODES=() FAILURE_RANKS=() FAILURE_STEP=0 FAILURE_CAUSE=""
     for file in "$dir"/rank_*; do
         [[ -f $file ]] || continue
@@ -78,6 +112,7 @@ classify_failure() {
         case $outcome in
         program | bad-input) program+=("$rank:$host") ;;
         node) hardware+=("$rank:$host") ;;
+        collective) collectives=$((collectives + 1)) && continue ;;
         *) continue ;;
         esac
         [[ -n $FAILURE_CAUSE ]] || FAILURE_CAUSE="rank $rank on $host: $detail"
@@ -98,10 +133,12 @@ classify_failure() {
         else
             FAILURE_CAUSE="no rank recorded how it ended: cannot tell a node's failure from the program's"
         fi
-    elif ((${#hosts[@]})); then
+    elif ((collectives)); then
         # (a rank that hung and came back when Slurm ended the step, as a stopped process does, sees its collective
         # fail like the others)
         FAILURE_CAUSE="every rank saw a collective fail: which one died or hung is not known"
+    elif ((${#hosts[@]})); then
+        FAILURE_CAUSE="every rank ended by itself, yet the step failed (a task's process outside the ranks, e.g. the container runtime's, was killed?)"
     else
         FAILURE_CAUSE="no rank recorded how it ended (did the ranks start?)"
     fi
@@ -144,7 +181,9 @@ record_incident() {
         "$(json_string "$FAILURE_CLASS")" "$(json_list "${FAILURE_NODES[@]}")" "$(json_list "${FAILURE_RANKS[@]}")" \
         "$FAILURE_STEP" "$(json_string "$FAILURE_CAUSE")" "$(json_string "$3")")
     echo "$line" >>"$RUN_DIR/incidents.jsonl"
-    echo "launch: incident: $FAILURE_CLASS failure (${FAILURE_CAUSE}), around step $FAILURE_STEP: $3 (RUN_DIR/incidents.jsonl)" >&2
+    local around=""
+    ((FAILURE_STEP == 0)) || around=", around step $FAILURE_STEP"
+    echo "launch: incident: $FAILURE_CLASS failure (${FAILURE_CAUSE})$around: $3 (RUN_DIR/incidents.jsonl)" >&2
 }
 
 # Requeue the job with the failed nodes excluded. A running job's excluded nodes cannot be changed; a requeued
@@ -174,8 +213,26 @@ requeue_without_nodes() {
 # of the last step.
 run_training_step() {
     local -n srun_step=$1
-    local attempt=0 status outcomes master_given=${MASTER_ADDR_GIVEN:-0}
+    local runtime=$2 image=$3 attempt=0 status outcomes master_given=${MASTER_ADDR_GIVEN:-0} failed
     FAILED_NODES=()
+    if [[ ${HPCML_VET_NODES:-$((SPARE_NODES > 0))} == 1 && -n ${RUN_DIR:-} ]]; then
+        # shellcheck disable=SC2046 # (one word per node)
+        vet_nodes "$runtime" "$image" $(scontrol show hostnames "$SLURM_JOB_NODELIST")
+        for failed in "${VET_FAILED[@]}"; do
+            FAILED_NODES+=("${failed%% *}")
+            FAILURE_CLASS=node FAILURE_NODES=("${failed%% *}") FAILURE_RANKS=() FAILURE_STEP=0
+            FAILURE_CAUSE="its check before the ranks started: ${failed#* }"
+            record_incident 0 null "left out before the ranks started"
+        done
+        if ((${#VET_FAILED[@]})) && { ((SPARE_NODES == 0)) || ! choose_step_nodes; }; then
+            if ((${SLURM_RESTART_COUNT:-0} >= ${LAUNCH_MAX_REQUEUES:-10})); then
+                echo "launch: error: too few good nodes left, and requeued ${SLURM_RESTART_COUNT:-0} times already" >&2
+            else
+                requeue_without_nodes "${FAILED_NODES[@]}"
+            fi
+            return 1
+        fi
+    fi
     while true; do
         local -a step=("${srun_step[@]}")
         if ((SPARE_NODES > 0)); then
@@ -183,7 +240,7 @@ run_training_step() {
             step=("${srun_step[0]}" -N "$TRAIN_NODES" --nodelist="$(IFS=, && echo "${STEP_NODES[*]}")" "${srun_step[@]:1}")
             ((master_given)) || export MASTER_ADDR=${STEP_NODES[0]}
             if ((attempt == 0)); then
-                echo "launch: training on ${STEP_NODES[*]}; $SPARE_NODES spare node(s) kept aside (HPCML_SPARE_NODES)"
+                echo "launch: training on ${STEP_NODES[*]} (master $MASTER_ADDR); $SPARE_NODES spare node(s) kept aside (HPCML_SPARE_NODES)"
             else
                 echo "launch: attempt $((attempt + 1)) on ${STEP_NODES[*]} (master $MASTER_ADDR), from the last checkpoint"
             fi

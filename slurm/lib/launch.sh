@@ -55,6 +55,7 @@
 #                      that failed (default 10)
 #   HPCML_SPARE_NODES  nodes kept aside to replace a node that fails, in the job (default 0; healing.sh)
 #   LAUNCH_MAX_NODE_RESTARTS  in-job restarts on spare nodes at most (default 3)
+#   HPCML_VET_NODES=1  check every node in the image before the ranks start (default with spare nodes)
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING  default 1: a failed NCCL collective aborts the rank instead of hanging
 #   TORCH_FR_BUFFER_SIZE  PyTorch's Flight Recorder: collectives each rank remembers (default 2000; 0: off).
 #                      A hang leaves RUN_DIR/flight_recorder/rank_<R> (docs: how to read them)
@@ -147,6 +148,7 @@ launch_recipe() {
     export_network_settings
     export_plugin_module "$runtime" "$image" "$recipe"
     check_allocation "$runtime" "$recipe"
+    check_spare_nodes
     [[ -z ${RUN_DIR:-} || $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
     check_nsys "$runtime"
     [[ $runtime != none || ${LAUNCH_DRY_RUN:-0} == 1 ]] || check_bare_python
@@ -180,7 +182,9 @@ launch_recipe() {
     build_step command "$runtime" "$image" "$recipe" "$@"
 
     # What ran, at the top of every job log (a requeued job appends to the same log).
-    echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${HPCML_JOB_NODES:-${SLURM_JOB_NUM_NODES:-?}} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)${HPCML_JOB_NODES:+ on $SLURM_JOB_NUM_NODES of them (HPCML_SPARE_NODES=$SPARE_NODES)}"
+    local job_nodes=${HPCML_JOB_NODES:-}
+    job_nodes=${job_nodes#*:}
+    echo "launch: job ${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)} on ${job_nodes:-${SLURM_JOB_NUM_NODES:-?}} node(s) [${SLURM_JOB_NODELIST:-?}], ${SLURM_NTASKS:-?} task(s)${HPCML_JOB_NODES:+ on $SLURM_JOB_NUM_NODES of them (HPCML_SPARE_NODES=$SPARE_NODES)}"
     echo "launch: runtime=$runtime image=$(describe_image "$image") master=$MASTER_ADDR:$MASTER_PORT commit=$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "launch: NCCL_NET=${NCCL_NET:-(any)} NCCL_NET_PLUGIN=$NCCL_NET_PLUGIN (module ${HPCML_NCCL_MODULE_LOADED:-none})" \
         "NCCL_DEBUG=$NCCL_DEBUG HPCML_SLINGSHOT=${HPCML_SLINGSHOT:-(the site values)}" \
@@ -214,7 +218,7 @@ launch_recipe() {
     [[ -z ${TORCH_FR_DUMP_TEMP_FILE:-} ]] || mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"
     [[ ${HPCML_NSYS:-0} != 1 ]] || mkdir -p "$RUN_DIR/nsys"
     local status=0
-    run_training_step command || status=$?
+    run_training_step command "$runtime" "$image" || status=$?
     if ((status == 0)) && [[ -n ${RUN_DIR:-} && -f $RUN_DIR/$STOP_MARKER ]]; then
         if [[ $(<"$RUN_DIR/$STOP_MARKER") == SIGUSR1* ]]; then
             rm -f "$RUN_DIR/$STOP_MARKER"

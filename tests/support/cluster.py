@@ -115,13 +115,15 @@ def final_state(job_id: str) -> str | None:
 
 
 def rank_pid(run_dir: Path, rank: int) -> int | None:
-    """The PID of a rank of the job writing to run_dir, found through its environment."""
+    """The PID of a rank of the job writing to run_dir, found through its environment: the Python process itself
+    (in a container too: not the runtime's client, `podman-hpc run ... train.py`, which has the same words)."""
     for pid in subprocess.run(["pgrep", "-f", f"train.py --out-dir {run_dir}"], capture_output=True, text=True).stdout.split():
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            program = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
         except OSError:
             continue
-        if f"SLURM_PROCID={rank}".encode() in environ:
+        if f"SLURM_PROCID={rank}".encode() in environ and os.path.basename(program).startswith(b"python"):
             return int(pid)
     return None
 

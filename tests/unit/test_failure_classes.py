@@ -57,7 +57,8 @@ def test_every_rank_of_a_node_silent_blames_that_node_once(tmp_path):
     {0: ["started nid1 10"]},  # one node
     {},  # no rank started
     {0: ["started nid1 10", "collective nid1 step=7 Timed out"], 1: ["started nid2 11", "collective nid2 step=7 reset"]},
-], ids=["all-silent", "one-node", "none-started", "every-collective-failed"])
+    {0: ["started nid1 10", "done nid1 step=7 exit 0"], 1: ["started nid2 11", "done nid2 step=7 exit 0"]},
+], ids=["all-silent", "one-node", "none-started", "every-collective-failed", "every-rank-done"])
 def test_nothing_to_tell_which_node_is_unknown_and_never_restarted(tmp_path, records):
     assert classify(tmp_path, records)["class"] == "unknown"
 

@@ -15,9 +15,9 @@ sys.path.insert(0, str(REPO / "recipes"))
 # the graph has no cycle and a reader can start at the bottom. recipes/gpt.py, the model, imports no harness.
 HARNESS_LAYERS = {
     "errors": 0, "contract": 0,
-    "checkpoint": 1, "faults": 1, "outcome": 1, "image_checks": 1, "launch": 1, "memory": 1, "mounts": 1, "profiling": 1,
+    "checkpoint": 1, "faults": 1, "outcome": 1, "image_checks": 1, "launch": 1, "memory": 1, "mounts": 1,
     "tracking": 1,
-    "signals": 2, "metrics": 2,
+    "signals": 2, "metrics": 2, "profiling": 2,
     "hf_model": 3, "run": 3,
     "model": 4,
     "data": 5,

@@ -93,3 +93,37 @@ def test_the_step_times_add_up_to_the_wall_time_of_the_steps(tmp_path, restore_s
     total = sum(record["step_time_s"] for record in metrics.history)
     assert total == pytest.approx(last - first, rel=0.01) and total > 6 * 0.01 + 2 * 0.05, (total, last - first)
     assert [record["step"] for record in metrics.history] == list(range(1, 7))
+
+
+def test_a_rank_slower_than_the_others_in_three_syncs_in_a_row_is_named_once(capsys):
+    """Stragglers.check on the numbers every rank sees after the sync's all-reduce: a rank whose forward time is
+    above the factor times the others' median (and STRAGGLER_MIN_S more) in 3 syncs in a row is named, once, with
+    its host; one slow sync, or a ratio under the factor, names no one."""
+    check = run_module.Stragglers(1.5, 4, 0, ["n1", "n2", "n3", "n4"], "test")
+    normal, slow = [0.010, 0.011, 0.010, 0.012], [0.010, 0.040, 0.011, 0.010]
+    for step, times in enumerate([slow, normal, slow, slow, [0.010, 0.014, 0.010, 0.010]], start=1):
+        check.check(times, step)
+    assert check.found == []  # (interrupted at step 2, 1.4x at step 5)
+    for step in (6, 7, 8, 9):
+        check.check(slow, step)
+    assert [(f["rank"], f["host"], f["step"]) for f in check.found] == [(1, "n2", 8)]
+    assert "[test] warning: rank 1 on n2 is a straggler: its forward pass took 40.0 ms per step against the other " \
+           "ranks' median 10.0 ms in 3 syncs in a row (up to step 8" in capsys.readouterr().err
+    assert check.worst_ratio == pytest.approx(4.0)
+
+
+def test_two_ranks_compare_each_with_the_other_and_tiny_differences_are_not_stragglers():
+    check = run_module.Stragglers(1.5, 2, 1, None, "test")
+    for step in range(1, 5):
+        check.check([0.0001, 0.0009], step)  # 9x, but 0.8 ms: scheduling noise on a tiny model
+    assert check.found == []
+    for step in range(5, 8):
+        check.check([0.010, 0.030], step)
+    assert [(f["rank"], f["host"]) for f in check.found] == [(1, "?")]
+
+
+def test_off_with_one_rank_or_a_factor_of_zero():
+    assert run_module.Stragglers(0, 4, 0, None, "test").own_times(5) == []
+    assert run_module.Stragglers(1.5, 1, 0, None, "test").own_times(5) == []
+    slots = run_module.Stragglers(1.5, 4, 2, None, "test").own_times(5)
+    assert len(slots) == 4 and slots[0] == slots[1] == slots[3] == 0.0
