@@ -645,8 +645,3 @@ def test_bad_spare_node_settings_are_one_line(env, message):
     result = launch(CONTAINER_RUNTIME="none", LAUNCH_DRY_RUN="1", **env)
     assert result.returncode == 2 and result.stderr.strip() == message, result.stderr
 
-
-def test_spare_nodes_are_refused_where_the_framework_starts_each_nodes_ranks():
-    result = sbatch_file("accelerate", CONTAINER_RUNTIME="none", HPCML_SPARE_NODES="1")
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().startswith("launch: error: HPCML_SPARE_NODES: not yet for recipes whose framework starts")

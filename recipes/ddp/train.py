@@ -64,7 +64,7 @@ RECIPE = "ddp"
 # The negative controls the tests can switch on (HPCML_TEST_FAULT, harness/faults.py)
 FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "rank-mean-loss", "mask-ignored", "pack-unconfined",
           "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "track-every-step",
-          "step-time-from-start", "program-error", "program-error-as-node", "slow-rank")
+          "step-time-from-start", "program-error", "program-error-as-node", "slow-rank", "slow-node")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -47,6 +47,10 @@ def main_entry(recipe: str, main: Callable[[], int]) -> None:
     except ConfigError as error:
         outcome.ended("bad-input", str(error))
         exit_on_config_error(recipe, error)
+    except outcome.NodeFault as fault:
+        outcome.ended("node", str(fault))
+        stderr_line(f"[{recipe}] error: {fault}")
+        sys.exit(1)
     except SystemExit as stop:
         outcome.ended("done" if stop.code in (None, 0) else "program", f"exit {stop.code}")
         raise
@@ -82,6 +86,9 @@ def add_run_options(p: argparse.ArgumentParser, recipe: str, collective_timeout:
     g.add_argument("--straggler-factor", type=float, default=STRAGGLER_FACTOR, metavar="F",
                    help="name a rank whose forward pass is F times the ranks' median or slower, 3 syncs in a row "
                         "(log and metrics.json; 0: off)")
+    g.add_argument("--leave-stragglers", action="store_true",
+                   help="a straggler ends the run after a checkpoint, as a failed node: under slurm/ with spare nodes "
+                        "(HPCML_SPARE_NODES) the run goes on without its node")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="TensorBoard event files (rank 0; default OUT_DIR/tensorboard; 'off': none)")
     g.add_argument("--tracker", default="tensorboard", metavar="LIST",

@@ -36,6 +36,8 @@ fault then enters through the framework's own hooks:
                            refuses (it trains on swapped activations; recipes/megatron_tp_pp/layout.py)
     slow-rank              rank 1 sleeps SLOW_RANK_S in each forward pass (harness/profiling.py): the straggler
                            check must name it (harness/run.py)
+    slow-node              the same for the rank on the job's node HPCML_TEST_SLOW_NODE=@I (a slow machine:
+                           --leave-stragglers must leave it out, and the rank that replaces it is not slow)
     program-error          every rank raises the same exception after step 5, as a bug in the program would
                            (harness/run.py): the launcher must end the job, not restart it on other nodes
     program-error-as-node  the same error, and the launcher takes every failure for a node's (its
@@ -59,7 +61,8 @@ FAULT_ENV = "HPCML_TEST_FAULT"
 FAULTS = ("grad-sum", "accum-sum", "no-grad-allreduce", "tp-no-reduce", "pp-loss-unscaled", "last-microbatch-loss",
           "resume-fresh-optimizer", "resume-data-from-start", "schedule-restart", "batch-p2p-with-vp",
           "track-every-step", "step-time-from-start", "rank-mean-loss", "mask-ignored", "pack-unconfined", "whole-model-load",
-          "program-error", "program-error-as-node", "slow-rank")
+          "program-error", "program-error-as-node", "slow-rank",
+          "slow-node")
 
 
 def active(name: str) -> bool:
@@ -146,7 +149,7 @@ def inject(recipe: str, supported: Iterable[str], *, parameters: Iterable[Any] =
     check(recipe, supported, applies)
     if fault is None or fault in ("resume-data-from-start", "schedule-restart", "step-time-from-start", "batch-p2p-with-vp",
                                   "rank-mean-loss", "whole-model-load", "program-error", "program-error-as-node",
-                                  "slow-rank"):  # (where they act)
+                                  "slow-rank", "slow-node"):  # (where they act)
         return fault
     parameters = list(parameters)
     if fault == "grad-sum" and fsdp_modules:  # FSDP's own switches: reduce with SUM and divide by 1

@@ -31,6 +31,10 @@ from .contract import RANK_OUTCOMES_ENV
 NODE_FAULT_SIGNS = ("uncorrectable ECC error", "GPU has fallen off the bus", "GPU is lost",
                     "CUDA-capable device(s) is/are busy or unavailable", "NVML_ERROR_GPU_IS_LOST")
 
+class NodeFault(Exception):
+    """This rank's node is at fault (a straggler left out, --leave-stragglers): recorded as the node's, one line."""
+
+
 _step = 0  # the step this rank was in (TrainingRun sets it): the incident record's step
 
 
@@ -70,7 +74,7 @@ def ended(outcome: str, detail: str = "") -> None:
 def exception_outcome(error: BaseException) -> str:
     """``node`` for an exception that says the hardware failed, else ``program``."""
     text = f"{type(error).__name__}: {error}"
-    return "node" if any(sign in text for sign in NODE_FAULT_SIGNS) else "program"
+    return "node" if isinstance(error, NodeFault) or any(sign in text for sign in NODE_FAULT_SIGNS) else "program"
 
 
 def incidents_summary(run_dir: str | os.PathLike) -> dict | None:

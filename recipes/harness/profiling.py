@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import socket
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from . import faults
 from .errors import ConfigError
+from .launch import expand_hostlist
 
 
 def profile_steps(args) -> tuple[int, int] | None:
@@ -70,7 +72,7 @@ def phase(name: str):
             started.record()
     try:
         with torch.profiler.record_function(name):
-            if timed is not None and faults.active("slow-rank") and os.environ.get("RANK", os.environ.get("SLURM_PROCID")) == "1":
+            if timed is not None and _slowed_by_a_fault():
                 time.sleep(SLOW_RANK_S)
             yield
     finally:
@@ -86,6 +88,18 @@ def phase(name: str):
 
 
 SLOW_RANK_S = 0.03  # the slow-rank fault's delay in each forward pass (rank 1): a few times a tiny model's forward
+
+
+def _slowed_by_a_fault() -> bool:
+    """slow-rank: rank 1 is slow; slow-node: the rank on the job's node HPCML_TEST_SLOW_NODE=@I is (whichever rank
+    runs there: a slow machine, not a slow rank)."""
+    if faults.active("slow-rank"):
+        return os.environ.get("RANK", os.environ.get("SLURM_PROCID")) == "1"
+    if faults.active("slow-node"):
+        index = int(os.environ.get("HPCML_TEST_SLOW_NODE", "@-1").lstrip("@"))
+        nodes = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
+        return 0 <= index < len(nodes) and nodes[index] == socket.gethostname()
+    return False
 
 
 def phase_seconds(name: str) -> float:

@@ -70,7 +70,8 @@ class TrainingRun:
         self._wall = [None, None]  # (time.time) the first step's start, the last step's end: steps_wall_s
         self.world_size = getattr(metrics, "world_size", 1) or 1
         self.stragglers = Stragglers(getattr(args, "straggler_factor", 0.0), self.world_size, rank,
-                                     getattr(metrics, "run_info", {}).get("hostnames"), recipe)
+                                     getattr(metrics, "run_info", {}).get("hostnames"), recipe,
+                                     leave=getattr(args, "leave_stragglers", False))
 
     def steps(self, batches: Iterable | None = None) -> Iterator:
         """The steps still to run (after a resume: from the checkpoint's next step), each one timed; with
@@ -129,7 +130,7 @@ class TrainingRun:
             self._step_ended()
         if checkpoint_due(self.args, step):
             save(step)
-        return step == self.args.stop_at_step or bool(self.stopped_by)
+        return step == self.args.stop_at_step or bool(self.stopped_by) or self.stragglers.leaving is not None
 
     def _sync_due(self, step: int) -> bool:
         args = self.args
@@ -210,6 +211,15 @@ class TrainingRun:
             stderr_line(f"[{self.recipe}] error: {differ} by up to {spread:.3g}: "
                         "gradients were not synchronised")
             return 3
+        leaving = self.stragglers.leaving
+        if leaving is not None:  # (--leave-stragglers: its rank ends as its node's failure; the launcher goes on)
+            if self.rank == 0:
+                print(f"[{self.recipe}] stopped after step {self.last_step}: rank {leaving['rank']} on {leaving['host']} "
+                      "is a straggler (--leave-stragglers): checkpoint written", flush=True)
+            if self.rank == leaving["rank"]:
+                raise outcome.NodeFault(f"rank {self.rank} on {leaving['host']} is a straggler (--leave-stragglers): "
+                                        f"its forward pass took {leaving['forward_s_per_step'] / leaving['median_s_per_step']:.1f} "
+                                        "times the other ranks' median")
         if self.stopped_by and self.rank == 0:
             StopRequest.write_marker(self.args.out_dir, self.stopped_by, self.last_step)
             print(f"[{self.recipe}] stopped by {signame} after step {self.last_step}: checkpoint written; "
@@ -226,8 +236,10 @@ class Stragglers:
     STRAGGLER_WINDOWS windows in a row is named once, in the log and in metrics.json's stragglers. Every rank
     sees the same numbers and decides the same; rank 0 says it. F <= 0 or one rank: nothing added."""
 
-    def __init__(self, factor: float, world_size: int, rank: int, hostnames: list[str] | None, recipe: str):
-        self.factor, self.world_size, self.rank, self.recipe = factor, world_size, rank, recipe
+    def __init__(self, factor: float, world_size: int, rank: int, hostnames: list[str] | None, recipe: str,
+                 leave: bool = False):
+        self.factor, self.world_size, self.rank, self.recipe, self.leave = factor, world_size, rank, recipe, leave
+        self.leaving: dict | None = None  # (--leave-stragglers: the first straggler named; the run stops there)
         self.hostnames = hostnames or []
         self.on = factor > 0 and world_size > 1
         self._slow_windows = [0] * world_size
@@ -260,6 +272,8 @@ class Stragglers:
                 host = self.hostnames[rank] if rank < len(self.hostnames) else "?"
                 self.found.append({"rank": rank, "host": host, "step": step, "forward_s_per_step": seconds,
                                    "median_s_per_step": median})
+                if self.leave and self.leaving is None:
+                    self.leaving = self.found[-1]
                 if self.rank == 0:
                     stderr_line(f"[{self.recipe}] warning: rank {rank} on {host} is a straggler: its forward pass took "
                                 f"{1000 * seconds:.1f} ms per step against the other ranks' median {1000 * median:.1f} ms "

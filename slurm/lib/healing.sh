@@ -71,13 +71,6 @@ vet_nodes() {
         "(slurm/lib/vet_node.py): ${#VET_FAILED[@]} failed${VET_FAILED[*]:+: ${VET_FAILED[*]}}"
 }
 
-# Spare nodes need the ranks to be srun's tasks. (Checked by launch_recipe, not when launch.sh is sourced: an
-# sbatch file sets RECIPE_LAUNCHER after that.)
-check_spare_nodes() {
-    ((SPARE_NODES == 0)) || [[ -z ${RECIPE_LAUNCHER:-} ]] || launch_error "HPCML_SPARE_NODES: not yet for recipes" \
-        "whose framework starts each node's ranks (RECIPE_LAUNCHER, here: $(basename "$0")): unset it"
-}
-
 # STEP_NODES: the first TRAIN_NODES of the job's nodes that have not failed in it; false when too few are left.
 choose_step_nodes() {
     local node

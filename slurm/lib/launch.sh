@@ -148,7 +148,6 @@ launch_recipe() {
     export_network_settings
     export_plugin_module "$runtime" "$image" "$recipe"
     check_allocation "$runtime" "$recipe"
-    check_spare_nodes
     [[ -z ${RUN_DIR:-} || $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
     check_nsys "$runtime"
     [[ $runtime != none || ${LAUNCH_DRY_RUN:-0} == 1 ]] || check_bare_python

@@ -108,7 +108,8 @@ RANK = textwrap.dedent("""
     ("raise RuntimeError('CUDA error: uncorrectable ECC error encountered')", 1,
      "node {host} step=7 RuntimeError: CUDA error: uncorrectable ECC error encountered"),
     ("sys.exit(3)", 3, "program {host} step=7 exit 3"),
-], ids=["done", "bad-input", "exception", "hardware", "exit-code"])
+    ("raise outcome.NodeFault('rank 3 on h is a straggler')", 1, "node {host} step=7 rank 3 on h is a straggler"),
+], ids=["done", "bad-input", "exception", "hardware", "exit-code", "straggler-left-out"])
 def test_each_rank_records_how_it_ended(tmp_path, body, code, last):
     import socket
 
