@@ -225,3 +225,43 @@ def test_time_limit_signal_requeues_and_resumes_on_the_same_curve(scale_cluster,
                                   "signal_to_requeued_first_step_s": startup["first_step_at"] - signalled_at,
                                   "signal_to_requeued_batch_s": startup["batch_started_at"] - signalled_at,
                                   "requeued_preflight_s": startup["preflight_s"]})
+
+
+def test_a_killed_rank_in_a_16_node_job_goes_on_on_a_spare_in_the_same_job(scale_cluster, tmp_path):
+    """HPCML_SPARE_NODES=2 on 16 nodes: 14 train. Rank 7's process killed after step 20: every node was checked
+    before the ranks started, the job goes on in the same job on a spare from its last checkpoint, and its losses
+    are the uninterrupted 14-node run's within PARITY_RTOL (as for the requeue below: DDP's first step after a
+    restart may group the sums differently)."""
+    args = [*LONG, "--global-batch", "28", "--checkpoint-every", "10"]  # (2 sequences per rank at 14 ranks)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    sbatch_timed(scale_cluster, reference, "ddp", 14, 1, args)
+    job = submit_recipe(scale_cluster, tmp_path, "ddp", "-N", str(SCALE_NODES), "--ntasks-per-node", "1", "-t", "10",
+                        recipe_args=args, HPCML_SPARE_NODES="2")[1]
+    log = tmp_path / f"ddp-{job}.out"
+    wait_for(lambda: re.search(r"^\[ddp\] step +20 ", unlabelled(read(log)), re.M), 300, "step 20")
+    pid = wait_for(lambda: rank_pid(tmp_path / "run", 7), 30, "rank 7's process")
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    resumed = wait_for(lambda: re.search(r"^\[ddp\] resumed from \S+ \(step (\d+)\)", unlabelled(read(log)), re.M), 300,
+                       "the run to resume on a spare")
+    next_step = int(resumed.group(1)) + 10  # (the first step logged after it: --log-every 10, checkpoints every 10)
+    wait_for(lambda: re.search(rf"\[ddp\] resumed from .*^\[ddp\] step +{next_step} ", unlabelled(read(log)), re.M | re.S),
+             300, "the first logged step after the resume")
+    recovery_s = time.monotonic() - killed_at
+    state = wait_for(lambda: final_state(job), 420, "the job to finish", interval=1)
+    text = unlabelled(read(log))
+    assert state == "COMPLETED" and "(restart 1)" not in text, text[-3000:]
+    nodes = job_nodes(job)
+    assert re.search(r"^launch: checked 16 node\(s\) in \S+ s \(slurm/lib/vet_node.py\): 0 failed$", text, re.M), text[-3000:]
+    incident = json.loads((tmp_path / "run" / "incidents.jsonl").read_text().splitlines()[0])
+    assert (incident["class"], incident["nodes"], incident["ranks"]) == ("node", [nodes[7]], [7]), incident
+    second = nodes[:7] + nodes[8:15]
+    assert f"launch: attempt 2 on {' '.join(second)} (master {nodes[0]})" in text, text[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics["world_size"] == 14 and metrics["last_step"] == 150
+    assert [r["step"] for r in metrics["history"]] == list(range(1, 151))
+    difference = max_relative_difference(losses(metrics), losses(read_metrics(reference / "run")))
+    assert difference <= PARITY_RTOL, f"the curve on the spare is {difference:.2e} from the uninterrupted one"
+    record(f"spare-{SCALE_NODES}x1", {"nodes": SCALE_NODES, "ranks": 14, "spare_nodes": 2,
+                                      "kill_to_step_10_after_the_resume_s": recovery_s, "max_relative_difference": difference})
