@@ -49,9 +49,10 @@ def _cuda():
     return torch.cuda if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
-# The phases whose time each rank keeps for the straggler check (harness/run.py): the forward pass is the rank's
-# own work in every recipe (no collective waits inside it for DDP's, DeepSpeed's or accelerate's), so a rank
-# slower than the others there is slow itself, not waiting for them.
+# The phases whose time each rank keeps for the straggler check (harness/run.py): in the data-parallel recipes
+# (DDP, DeepSpeed ZeRO-1/2, accelerate's DDP) the forward pass is the rank's own work, no collective inside, so a
+# rank slower than the others there is slow itself, not waiting for them (with FSDP, TP or PP the forward pass
+# waits for the others' collectives too: a straggler stands out less).
 TIMED_PHASES = ("forward",)
 _timed: dict[str, list] = {name: [] for name in TIMED_PHASES}  # seconds, or (start, end) CUDA events on a GPU
 
