@@ -251,7 +251,11 @@ run_training_step() {
         fi
         classify_failure "$outcomes"
         if [[ $FAILURE_CLASS != node ]]; then
-            record_incident "$attempt" "$status" "ended the job (${FAILURE_CLASS} failure: a restart would fail the same way)"
+            if [[ $FAILURE_CLASS == program ]]; then
+                record_incident "$attempt" "$status" "ended the job (program failure: a restart would fail the same way)"
+            else
+                record_incident "$attempt" "$status" "ended the job (unknown failure: not known to be a node's, not restarted)"
+            fi
             return "$status"
         fi
         FAILED_NODES+=("${FAILURE_NODES[@]}")
